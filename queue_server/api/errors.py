@@ -1,0 +1,16 @@
+"""One table from core errors to gRPC status: code and exact etcd message."""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+import grpc
+from grpc import aio
+
+from queue_server.errors import EtcdError
+
+
+async def abort(context: aio.ServicerContext[object, object], error: EtcdError) -> NoReturn:
+    """End the call with the status etcd sends for `error`."""
+    await context.abort(getattr(grpc.StatusCode, error.code), error.text)
+    raise AssertionError("unreachable: abort raises")

@@ -1,0 +1,84 @@
+"""The etcdserverpb.KV service: Range, Put, DeleteRange, Txn, Compact.
+
+Every handler has etcd's four steps: validate (stateless checks), call the core
+(a read on the state machine, or a proposal through the log), turn a core error into
+etcd's status, fill the header.
+"""
+
+from __future__ import annotations
+
+from grpc import aio
+
+from etcdserverpb import internal_pb2, rpc_pb2, rpc_pb2_grpc
+from queue_server.api.errors import abort
+from queue_server.api.header import HeaderFiller
+from queue_server.apply import Proposer, StateMachine
+from queue_server.errors import EtcdError
+from queue_server.kv import validation
+from queue_server.kv.executor import is_read_only
+
+Context = aio.ServicerContext[object, object]
+Command = internal_pb2.Command
+
+
+class KVService(rpc_pb2_grpc.KVServicer):
+    """Serves KV: reads from the state machine, writes through the log."""
+
+    def __init__(
+        self, state: StateMachine, log: Proposer, header: HeaderFiller, max_txn_ops: int
+    ) -> None:
+        self.state = state
+        self.log = log
+        self.header = header
+        self.max_txn_ops = max_txn_ops
+
+    async def _propose(self, command: internal_pb2.Command, context: Context) -> object:
+        try:
+            result = await self.log.propose(command)
+        except EtcdError as e:
+            await abort(context, e)
+        if isinstance(result, EtcdError):
+            await abort(context, result)
+        self.header.fill(result.header)  # type: ignore[attr-defined]
+        return result
+
+    async def Range(self, request: rpc_pb2.RangeRequest, context: Context) -> rpc_pb2.RangeResponse:
+        try:
+            validation.check_range(request)
+            resp = self.state.read_range(request)
+        except EtcdError as e:
+            await abort(context, e)
+        self.header.fill(resp.header)
+        return resp
+
+    async def Put(self, request: rpc_pb2.PutRequest, context: Context) -> rpc_pb2.PutResponse:
+        try:
+            validation.check_put(request)
+        except EtcdError as e:
+            await abort(context, e)
+        return await self._propose(Command(put=request), context)  # type: ignore[return-value]
+
+    async def DeleteRange(
+        self, request: rpc_pb2.DeleteRangeRequest, context: Context
+    ) -> rpc_pb2.DeleteRangeResponse:
+        try:
+            validation.check_delete(request)
+        except EtcdError as e:
+            await abort(context, e)
+        return await self._propose(Command(delete_range=request), context)  # type: ignore[return-value]
+
+    async def Txn(self, request: rpc_pb2.TxnRequest, context: Context) -> rpc_pb2.TxnResponse:
+        try:
+            validation.check_txn(request, self.max_txn_ops)
+            if is_read_only(request):
+                resp = self.state.read_txn(request)
+                self.header.fill(resp.header)
+                return resp
+        except EtcdError as e:
+            await abort(context, e)
+        return await self._propose(Command(txn=request), context)  # type: ignore[return-value]
+
+    async def Compact(
+        self, request: rpc_pb2.CompactionRequest, context: Context
+    ) -> rpc_pb2.CompactionResponse:
+        return await self._propose(Command(compaction=request), context)  # type: ignore[return-value]

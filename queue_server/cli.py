@@ -1,0 +1,73 @@
+"""The `queue-server` command: parse the config, run the server until a signal.
+
+Exit status: 0 after a clean stop on SIGTERM/SIGINT; 1 when the server cannot start
+(bad flag value, busy port, unusable data dir), with the reason on stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from queue_server.config import ConfigError, parse_config
+from queue_server.server import Server, StartupError
+
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warn": logging.WARNING,
+    "error": logging.ERROR,
+}
+
+
+async def serve(server: Server) -> None:
+    """Start, then serve until SIGTERM or SIGINT, then stop gracefully."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await server.start()
+    except BaseException:
+        await server.stop(grace=0)
+        raise
+    await stop.wait()
+    logging.getLogger(__name__).info("received signal, stopping")
+    await server.stop()
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = parse_config(argv)
+    except (ConfigError, ValueError) as e:
+        print(f"queue-server: {e}", file=sys.stderr)
+        return 1
+    logging.basicConfig(
+        level=_LEVELS[config.log_level],
+        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    server = Server(config)
+    try:
+        with asyncio.Runner(loop_factory=_new_loop) as runner:
+            runner.run(serve(server))
+    except StartupError as e:
+        print(f"queue-server: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""One frozen `Config` built from etcd-style flags and their ETCD_* variables.
+
+Flag names are etcd's wherever the meaning is etcd's. Every flag `--some-flag` can
+also be set by the environment variable `ETCD_SOME_FLAG`; a flag given on the
+command line wins over the variable, as in etcd.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from queue_server.compactor import parse_retention
+
+DEFAULT_MAX_REQUEST_BYTES = 1536 * 1024
+"""etcd's default --max-request-bytes (1.5 MiB)."""
+GRPC_OVERHEAD_BYTES = 512 * 1024
+"""etcd lets gRPC receive this much more than --max-request-bytes, so that a
+request slightly over the limit gets etcd's "request is too large" rather than a
+transport error."""
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Everything the server is told at start."""
+
+    name: str
+    data_dir: str
+    listen_client_urls: tuple[str, ...]
+    advertise_client_urls: tuple[str, ...]
+    initial_advertise_peer_urls: tuple[str, ...]
+    initial_cluster_token: str
+    max_request_bytes: int
+    max_txn_ops: int
+    auto_compaction_mode: str
+    auto_compaction_retention: str
+    snapshot_count: int
+    unsafe_no_fsync: bool
+    log_level: str
+    grpc_keepalive_min_time: float
+    grpc_keepalive_interval: float
+    grpc_keepalive_timeout: float
+
+    def listen_addresses(self) -> list[str]:
+        """host:port pairs to bind, from --listen-client-urls."""
+        return [url_to_address(u) for u in self.listen_client_urls]
+
+
+class ConfigError(ValueError):
+    """A flag or variable has a value the server cannot use."""
+
+
+def url_to_address(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https", "unix", "unixs") or not parts.hostname:
+        raise ConfigError(f"invalid URL {url!r}: expected http://host:port")
+    if parts.scheme.startswith("unix"):
+        return f"unix:{parts.netloc}{parts.path}"
+    if parts.port is None:
+        raise ConfigError(f"URL {url!r} has no port")
+    host = parts.hostname
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{host}:{parts.port}"
+
+
+def parse_duration(text: str) -> float:
+    """Go-style durations ("5s", "1m30s", "100ms", "2h") in seconds."""
+    units = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+    matches = re.findall(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)", text)
+    if not matches or "".join(n + u for n, u in matches) != text:
+        raise ConfigError(f"invalid duration {text!r}")
+    return sum(float(n) * units[u] for n, u in matches)
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"invalid boolean {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="queue-server",
+        description="An etcd v3 compatible server and durable message queue. "
+        "Every flag can also be set as ETCD_<FLAG> (upper case, dashes as underscores).",
+    )
+    add = p.add_argument
+    add("--name", default="default", help="human-readable name of this member")
+    add("--data-dir", default="", help="directory for the data (default: ${name}.etcd)")
+    add(
+        "--listen-client-urls",
+        default="http://localhost:2379",
+        help="comma-separated URLs to listen on for client traffic",
+    )
+    add(
+        "--advertise-client-urls",
+        default="http://localhost:2379",
+        help="comma-separated client URLs to advertise to clients",
+    )
+    add(
+        "--initial-advertise-peer-urls",
+        default="http://localhost:2380",
+        help="peer URLs of this member, as reported by member list",
+    )
+    add("--initial-cluster-token", default="etcd-cluster", help="cluster identity token")
+    add(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest client request accepted, in bytes",
+    )
+    add("--max-txn-ops", type=int, default=128, help="most operations in one txn branch")
+    add(
+        "--auto-compaction-mode",
+        default="periodic",
+        choices=("periodic", "revision"),
+        help="how --auto-compaction-retention is read: a duration or a revision count",
+    )
+    add(
+        "--auto-compaction-retention",
+        default="0",
+        help="history to keep: '1h', '30m' or hours as a number (periodic), or a "
+        "revision count (revision); 0 turns auto-compaction off",
+    )
+    add(
+        "--snapshot-count",
+        type=int,
+        default=100_000,
+        help="applied log entries between snapshots of the state",
+    )
+    add(
+        "--unsafe-no-fsync",
+        type=_bool,
+        nargs="?",
+        const=True,
+        default=False,
+        help="do not fsync the log (unsafe: acknowledged writes can be lost on a crash)",
+    )
+    add("--log-level", default="info", choices=("debug", "info", "warn", "error"))
+    add(
+        "--grpc-keepalive-min-time",
+        default="5s",
+        help="shortest interval a client may send keepalive pings at",
+    )
+    add("--grpc-keepalive-interval", default="2h", help="server-to-client ping interval")
+    add("--grpc-keepalive-timeout", default="20s", help="wait for a ping answer before closing")
+    return p
+
+
+def _env_defaults(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    """Use ETCD_* variables as defaults, so that flags still win."""
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        var = "ETCD_" + action.dest.upper()
+        if var in environ:
+            raw = environ[var]
+            value = action.type(raw) if callable(action.type) else raw
+            if action.choices is not None and value not in action.choices:
+                raise ConfigError(f"{var}={raw!r}: expected one of {list(action.choices)}")
+            action.default = value
+
+
+def parse_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> Config:
+    parser = build_parser()
+    _env_defaults(parser, os.environ if environ is None else environ)
+    a = parser.parse_args(argv)
+    if a.max_request_bytes <= 0:
+        raise ConfigError("--max-request-bytes must be positive")
+    if a.max_txn_ops <= 0:
+        raise ConfigError("--max-txn-ops must be positive")
+    if a.snapshot_count <= 0:
+        raise ConfigError("--snapshot-count must be positive")
+    config = Config(
+        name=a.name,
+        data_dir=a.data_dir or f"{a.name}.etcd",
+        listen_client_urls=_csv(a.listen_client_urls),
+        advertise_client_urls=_csv(a.advertise_client_urls),
+        initial_advertise_peer_urls=_csv(a.initial_advertise_peer_urls),
+        initial_cluster_token=a.initial_cluster_token,
+        max_request_bytes=a.max_request_bytes,
+        max_txn_ops=a.max_txn_ops,
+        auto_compaction_mode=a.auto_compaction_mode,
+        auto_compaction_retention=a.auto_compaction_retention,
+        snapshot_count=a.snapshot_count,
+        unsafe_no_fsync=bool(a.unsafe_no_fsync),
+        log_level=a.log_level,
+        grpc_keepalive_min_time=parse_duration(a.grpc_keepalive_min_time),
+        grpc_keepalive_interval=parse_duration(a.grpc_keepalive_interval),
+        grpc_keepalive_timeout=parse_duration(a.grpc_keepalive_timeout),
+    )
+    config.listen_addresses()  # fail early on a bad URL
+    parse_retention(config.auto_compaction_mode, config.auto_compaction_retention)
+    return config

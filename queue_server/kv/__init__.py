@@ -1,0 +1,1 @@
+"""KV request semantics on top of the MVCC store: validation and execution."""

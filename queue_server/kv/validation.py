@@ -1,0 +1,142 @@
+"""Checks of KV requests that need no state, done before anything is proposed.
+
+These are etcd's v3rpc checks (`checkRangeRequest`, `checkPutRequest`,
+`checkTxnRequest`, `checkIntervals`), with the same errors in the same order, so a
+request etcd refuses up front is refused here up front and never reaches the log.
+Checks that need state (does the lease exist, is the revision compacted) belong to
+`queue_server.kv.executor`, at apply time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from etcdserverpb import rpc_pb2
+from queue_server.errors import (
+    DuplicateKey,
+    EmptyKey,
+    KeyNotFound,
+    LeaseProvided,
+    TooManyOps,
+    ValueProvided,
+)
+
+
+def check_range(r: rpc_pb2.RangeRequest) -> None:
+    if not r.key:
+        raise EmptyKey()
+
+
+def check_put(r: rpc_pb2.PutRequest) -> None:
+    if not r.key:
+        raise EmptyKey()
+    if r.ignore_value and r.value:
+        raise ValueProvided()
+    if r.ignore_lease and r.lease:
+        raise LeaseProvided()
+
+
+def check_delete(r: rpc_pb2.DeleteRangeRequest) -> None:
+    if not r.key:
+        raise EmptyKey()
+
+
+def check_txn(r: rpc_pb2.TxnRequest, max_txn_ops: int) -> None:
+    """All of etcd's Txn checks, the overlap rule included."""
+    _check_txn_ops(r, max_txn_ops)
+    _check_intervals(r.success)
+    _check_intervals(r.failure)
+
+
+def _check_txn_ops(r: rpc_pb2.TxnRequest, max_txn_ops: int) -> None:
+    ops = max(len(r.compare), len(r.success), len(r.failure))
+    if ops > max_txn_ops:
+        raise TooManyOps()
+    for c in r.compare:
+        if not c.key:
+            raise EmptyKey()
+    for op in r.success:
+        _check_op(op, max_txn_ops - ops)
+    for op in r.failure:
+        _check_op(op, max_txn_ops - ops)
+
+
+def _check_op(op: rpc_pb2.RequestOp, max_txn_ops: int) -> None:
+    kind = op.WhichOneof("request")
+    if kind == "request_range":
+        check_range(op.request_range)
+    elif kind == "request_put":
+        check_put(op.request_put)
+    elif kind == "request_delete_range":
+        check_delete(op.request_delete_range)
+    elif kind == "request_txn":
+        _check_txn_ops(op.request_txn, max_txn_ops)
+    else:
+        # An empty RequestOp: etcd answers "key not found".
+        raise KeyNotFound()
+
+
+class _Deletes:
+    """The key ranges deleted by a txn branch, as etcd's interval tree sees them.
+
+    etcd builds these intervals from the raw range_end, in which an empty string is
+    +infinity and "\\0" is an ordinary (small) byte string: a delete with range_end
+    "\\0" therefore overlaps nothing here, exactly as in etcd.
+    """
+
+    __slots__ = ("intervals",)
+
+    def __init__(self) -> None:
+        self.intervals: list[tuple[bytes, bytes | None]] = []
+
+    def add(self, key: bytes, range_end: bytes) -> None:
+        self.intervals.append((key, range_end if range_end else None))
+
+    def union(self, other: _Deletes) -> None:
+        self.intervals.extend(other.intervals)
+
+    def contains(self, key: bytes) -> bool:
+        for begin, end in self.intervals:
+            if end is None:
+                if key == begin:
+                    return True
+            elif begin <= key < end:
+                return True
+        return False
+
+
+def _check_intervals(ops: Sequence[rpc_pb2.RequestOp]) -> tuple[set[bytes], _Deletes]:
+    """Refuse a branch whose puts overlap each other or its deletes (nested txns
+    included); returns the branch's puts and deletes for the level above."""
+    dels = _Deletes()
+    for op in ops:
+        if op.WhichOneof("request") == "request_delete_range":
+            d = op.request_delete_range
+            dels.add(d.key, d.range_end)
+
+    puts: set[bytes] = set()
+    for op in ops:
+        if op.WhichOneof("request") != "request_txn":
+            continue
+        puts_then, dels_then = _check_intervals(op.request_txn.success)
+        puts_else, dels_else = _check_intervals(op.request_txn.failure)
+        for k in puts_then:
+            if k in puts or dels.contains(k):
+                raise DuplicateKey()
+            puts.add(k)
+        for k in puts_else:
+            # then/else exclude each other, so the same key in both is fine
+            if (k in puts and k not in puts_then) or dels.contains(k):
+                raise DuplicateKey()
+            puts.add(k)
+        dels.union(dels_then)
+        dels.union(dels_else)
+
+    for op in ops:
+        if op.WhichOneof("request") != "request_put":
+            continue
+        k = op.request_put.key
+        if k in puts or dels.contains(k):
+            raise DuplicateKey()
+        puts.add(k)
+    return puts, dels

@@ -1,0 +1,1 @@
+"""The multi-version key space (see store.py). Imports nothing from the rest of the server."""

@@ -1,0 +1,353 @@
+"""The multi-version key space: revisions, per-key history, tombstones, compaction.
+
+What belongs here: the data structure that answers "what did key range [key, end)
+hold at revision R" and that records every change with the revision it was made at.
+It does no I/O, reads no clock, and imports neither grpc nor protobuf: callers hand
+it bytes and ints and get back `KeyValue` records.
+
+Theory of operation
+-------------------
+The store's revision starts at 1 and rises by one for each write transaction that
+changes something (a put, or a delete that removed at least one key), as etcd's
+does. A key's history is the list of its changes in the order they were made, each
+with the revision it was made at; a change is either a `KeyValue` (a put) or a
+tombstone (a delete, stored as None). etcd refuses most Txns that change one key
+twice, but not all (a delete with range_end "\\0" and a put of a key inside it),
+so two changes may share a revision; the later one is what reads see.
+
+Worked example, key "a":
+
+    rev 2  put a=1   -> history [(2, kv(create=2, mod=2, version=1))]
+    rev 3  put a=2   -> history [..., (3, kv(create=2, mod=3, version=2))]
+    rev 4  del a     -> history [..., (4, None)]
+    rev 5  put a=3   -> history [..., (5, kv(create=5, mod=5, version=1))]
+
+A read at revision R finds the last change made at or before R: a tombstone or no
+change means the key did not exist then. A put after a tombstone starts a new
+generation: create_revision is the put's revision and version restarts at 1.
+
+Compaction at revision C forgets what no read at C or later can see: for each key,
+every change made before the last change at or before C. That last change is kept
+if it is a put (reads at C see it) and dropped if it is a tombstone; a key left
+with no history leaves the index. Reads below C fail with `Compacted`.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from sortedcontainers import SortedDict
+
+from queue_server.errors import Compacted, FutureRevision
+
+
+@dataclass(slots=True, frozen=True)
+class KeyValue:
+    """One version of a key, as etcd's mvccpb.KeyValue describes it."""
+
+    key: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    value: bytes
+    lease: int
+
+
+@dataclass(slots=True)
+class KeyHistory:
+    """Every change of one key not yet compacted away, oldest first.
+
+    Invariant: `revisions` is ascending (equal entries only for changes made in
+    one transaction) and has one entry per entry of `changes`; a change is a `KeyValue` or None for a tombstone.
+    """
+
+    revisions: list[int] = field(default_factory=list)
+    changes: list[KeyValue | None] = field(default_factory=list)
+
+    def latest(self) -> KeyValue | None:
+        return self.changes[-1] if self.changes else None
+
+    def at(self, revision: int) -> KeyValue | None:
+        """The key's value as of `revision`, or None if it did not exist then."""
+        if self.revisions[-1] <= revision:
+            return self.changes[-1]
+        i = bisect_right(self.revisions, revision)
+        return self.changes[i - 1] if i else None
+
+    def compact(self, revision: int) -> None:
+        """Drop the changes no read at `revision` or later can see."""
+        i = bisect_right(self.revisions, revision)
+        if i == 0:
+            return
+        keep_from = i - 1 if self.changes[i - 1] is not None else i
+        if keep_from:
+            del self.revisions[:keep_from]
+            del self.changes[:keep_from]
+
+
+@dataclass(slots=True, frozen=True)
+class Event:
+    """One change made by a write transaction, for watchers: a put or a delete.
+
+    For a delete, `kv` is the tombstone as watchers see it (key and the delete's
+    mod_revision, everything else zero); `prev_kv` is what the key held before.
+    """
+
+    is_delete: bool
+    kv: KeyValue
+    prev_kv: KeyValue | None
+
+
+@dataclass(slots=True)
+class RangeResult:
+    """What a range read found: the keys (in key order), how many keys the range
+    holds in all, and the store's revision when read."""
+
+    kvs: list[KeyValue]
+    count: int
+    revision: int
+
+
+ALL_KEYS_END = b""
+"""`end` for "every key from `key` on": etcd's "\\0" range_end after translation."""
+
+
+class MVCCStore:
+    """The key space with its history; the only owner of revisions.
+
+    Writes go through `write()`, which returns a `WriteTxn`; every change made in one
+    `WriteTxn` carries the same revision, and the store's revision moves once, when
+    the transaction ends, if anything changed.
+    """
+
+    def __init__(self) -> None:
+        self._index: SortedDict = SortedDict()  # bytes -> KeyHistory
+        # Called with (revision, events) after each write transaction that changed
+        # something; the watch hub subscribes here.
+        self.on_commit: Callable[[int, list[Event]], None] | None = None
+        self.revision = 1
+        self.compact_revision = 0
+        self._key_count = 0  # keys whose latest change is a put
+
+    # -- reads ----------------------------------------------------------------
+
+    @property
+    def key_count(self) -> int:
+        """How many keys exist now (tombstoned keys not counted)."""
+        return self._key_count
+
+    def _histories(self, key: bytes, end: bytes | None) -> Iterator[tuple[bytes, KeyHistory]]:
+        """The histories of keys in [key, end); `end` None means just `key`,
+        `ALL_KEYS_END` means no upper bound."""
+        if end is None:
+            history = self._index.get(key)
+            if history is not None:
+                yield key, history
+            return
+        if end != ALL_KEYS_END and end <= key:
+            return
+        upper = None if end == ALL_KEYS_END else end
+        index = self._index
+        for k in index.irange(key, upper, inclusive=(True, False)):
+            yield k, index[k]
+
+    def check_revision(self, revision: int) -> int:
+        """The revision a read at `revision` (0 or less: now) sees, or the error."""
+        if revision > self.revision:
+            raise FutureRevision()
+        if revision <= 0:
+            return self.revision
+        if revision < self.compact_revision:
+            raise Compacted()
+        return revision
+
+    def range(
+        self,
+        key: bytes,
+        end: bytes | None,
+        revision: int = 0,
+        limit: int = 0,
+        count_only: bool = False,
+    ) -> RangeResult:
+        """Keys in [key, end) as of `revision`; at most `limit` of them (0: all).
+
+        `count` always counts every key of the range, whatever the limit.
+        """
+        rev = self.check_revision(revision)
+        kvs: list[KeyValue] = []
+        count = 0
+        current = rev == self.revision
+        for _, history in self._histories(key, end):
+            kv = history.changes[-1] if current else history.at(rev)
+            if kv is None:
+                continue
+            count += 1
+            if not count_only and (limit <= 0 or len(kvs) < limit):
+                kvs.append(kv)
+        return RangeResult(kvs, count, self.revision)
+
+    def get(self, key: bytes) -> KeyValue | None:
+        """The key's current value, or None."""
+        history = self._index.get(key)
+        return history.changes[-1] if history is not None else None
+
+    # -- writes ---------------------------------------------------------------
+
+    def write(self) -> WriteTxn:
+        """Begin a write transaction at the next revision."""
+        return WriteTxn(self)
+
+    def _put(self, key: bytes, value: bytes, lease: int, revision: int) -> Event:
+        history = self._index.get(key)
+        if history is None:
+            history = KeyHistory()
+            self._index[key] = history
+        prev = history.changes[-1] if history.changes else None
+        if prev is None:
+            kv = KeyValue(key, revision, revision, 1, value, lease)
+            self._key_count += 1
+        else:
+            kv = KeyValue(key, prev.create_revision, revision, prev.version + 1, value, lease)
+        history.revisions.append(revision)
+        history.changes.append(kv)
+        return Event(False, kv, prev)
+
+    def _delete(self, key: bytes, end: bytes | None, revision: int) -> list[Event]:
+        events: list[Event] = []
+        for k, history in self._histories(key, end):
+            prev = history.changes[-1]
+            if prev is None:
+                continue
+            history.revisions.append(revision)
+            history.changes.append(None)
+            self._key_count -= 1
+            events.append(Event(True, KeyValue(k, 0, revision, 0, b"", 0), prev))
+        return events
+
+    # -- compaction -----------------------------------------------------------
+
+    def compact(self, revision: int) -> None:
+        """Forget history before `revision`; reads below it fail from now on."""
+        if revision <= self.compact_revision:
+            raise Compacted()
+        if revision > self.revision:
+            raise FutureRevision()
+        self.compact_revision = revision
+        emptied: list[bytes] = []
+        for key, history in self._index.items():
+            history.compact(revision)
+            if not history.changes:
+                emptied.append(key)
+        for key in emptied:
+            del self._index[key]
+
+    # -- snapshots ------------------------------------------------------------
+
+    def export_state(
+        self,
+    ) -> tuple[
+        int, int, list[tuple[bytes, list[int], list[tuple[int, int, int, bytes, int] | None]]]
+    ]:
+        """Everything the store holds as plain tuples (for a snapshot)."""
+        keys = []
+        for key, history in self._index.items():
+            changes = [
+                None
+                if kv is None
+                else (kv.create_revision, kv.mod_revision, kv.version, kv.value, kv.lease)
+                for kv in history.changes
+            ]
+            keys.append((key, list(history.revisions), changes))
+        return self.revision, self.compact_revision, keys
+
+    @classmethod
+    def from_state(
+        cls,
+        state: tuple[
+            int, int, list[tuple[bytes, list[int], list[tuple[int, int, int, bytes, int] | None]]]
+        ],
+    ) -> MVCCStore:
+        """The inverse of `export_state`."""
+        store = cls()
+        store.revision, store.compact_revision, keys = state
+        items = []
+        for key, revisions, changes in keys:
+            history = KeyHistory(
+                revisions,
+                [
+                    None if c is None else KeyValue(key, c[0], c[1], c[2], c[3], c[4])
+                    for c in changes
+                ],
+            )
+            if history.changes[-1] is not None:
+                store._key_count += 1
+            items.append((key, history))
+        store._index = SortedDict(items)
+        return store
+
+
+class WriteTxn:
+    """Changes made at one revision. Reads through it see its own changes.
+
+    Use as a context manager, or call `end()`: the store's revision moves to this
+    transaction's revision only if it changed something.
+    """
+
+    __slots__ = ("events", "revision", "store")
+
+    def __init__(self, store: MVCCStore) -> None:
+        self.store = store
+        self.revision = store.revision + 1
+        self.events: list[Event] = []
+
+    @property
+    def read_revision(self) -> int:
+        """The revision reads inside this transaction see (its own changes included)."""
+        return self.revision if self.events else self.store.revision
+
+    def range(
+        self,
+        key: bytes,
+        end: bytes | None,
+        revision: int = 0,
+        limit: int = 0,
+        count_only: bool = False,
+    ) -> RangeResult:
+        store = self.store
+        if not self.events:
+            return store.range(key, end, revision, limit, count_only)
+        # Our changes are already in the histories at self.revision, one past the
+        # store's revision: read with the store's revision temporarily advanced.
+        saved = store.revision
+        store.revision = self.revision
+        try:
+            return store.range(key, end, revision, limit, count_only)
+        finally:
+            store.revision = saved
+
+    def put(self, key: bytes, value: bytes, lease: int = 0) -> Event:
+        event = self.store._put(key, value, lease, self.revision)
+        self.events.append(event)
+        return event
+
+    def delete_range(self, key: bytes, end: bytes | None) -> list[Event]:
+        events = self.store._delete(key, end, self.revision)
+        self.events.extend(events)
+        return events
+
+    def end(self) -> int:
+        """Finish; returns the store's revision afterwards."""
+        store = self.store
+        if self.events:
+            store.revision = self.revision
+            if store.on_commit is not None:
+                store.on_commit(self.revision, self.events)
+        return store.revision
+
+    def __enter__(self) -> WriteTxn:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end()

@@ -1,0 +1,1 @@
+"""Durable storage of the single-node log: WAL segments, snapshots, group commit."""

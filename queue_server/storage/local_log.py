@@ -1,0 +1,206 @@
+"""The single-node log: durable proposals with group commit, snapshots, recovery.
+
+`LocalLog.propose(command)` resolves once the command is on disk and applied, with
+the state machine's result. This is the embedded default; the cluster puts a Raft
+log behind the same `propose` so the servicers do not change.
+
+Theory of operation
+-------------------
+Proposals made while a write is in flight wait in `_pending`. One flusher task
+takes everything pending as one batch, hands the encoded records to the writer
+thread (one write + one fdatasync for the whole batch: group commit), and, when
+the thread reports them durable, applies them in index order on the event loop
+and resolves each proposal's future. Nothing is applied before it is durable, so
+no reader ever sees a write that a crash could take back.
+
+Every `snapshot_count` applied entries the state is exported on the loop and
+written by the same writer thread (after the batch, before the next), the log
+rotates to a new segment, and segments the snapshot covers are deleted. Startup
+loads the newest snapshot and replays the log after it.
+
+Only bytes cross to the writer thread; all state stays on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from etcdserverpb import internal_pb2
+from queue_server.apply import ApplyResult, StateMachine
+from queue_server.errors import RequestTooLarge, ServerStopped
+from queue_server.storage.snapshot import SnapshotStore
+from queue_server.storage.wal import WriteAheadLog
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SNAPSHOT_COUNT = 100_000
+"""Applied entries between snapshots: etcd 3.5's --snapshot-count default. It
+bounds replay time at restart and the log's size on disk."""
+
+MAX_BATCH = 4096
+"""Most records per group commit: bounds the latency one batch adds to the next."""
+
+
+@dataclass(slots=True)
+class _Proposal:
+    index: int
+    command: internal_pb2.Command
+    payload: bytes
+    future: asyncio.Future[ApplyResult]
+
+
+class LocalLog:
+    """A durable log on one node, feeding one `StateMachine`."""
+
+    def __init__(
+        self,
+        data_dir: str,
+        state_machine: StateMachine,
+        *,
+        fsync: bool = True,
+        snapshot_count: int = DEFAULT_SNAPSHOT_COUNT,
+        max_request_bytes: int = 1_572_864,
+    ) -> None:
+        self.state_machine = state_machine
+        self.max_request_bytes = max_request_bytes
+        self.snapshot_count = snapshot_count
+        self.wal = WriteAheadLog(os.path.join(data_dir, "wal"), fsync=fsync)
+        self.snapshots = SnapshotStore(os.path.join(data_dir, "snap"), fsync=fsync)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wal-writer")
+        self._pending: list[_Proposal] = []
+        self._flusher: asyncio.Task[None] | None = None
+        self._next_index = 0
+        self._snapshot_index = 0
+        self._failed: BaseException | None = None
+        self._closed = False
+        self.commits = 0  # group commits done: batches written and fsynced
+
+    # -- startup --------------------------------------------------------------
+
+    def recover(self) -> None:
+        """Load the newest snapshot and replay the log after it (blocking; call
+        before serving)."""
+        started = time.monotonic()
+        loaded = self.snapshots.load_latest()
+        if loaded is not None:
+            self._snapshot_index, state = loaded
+            self.state_machine.restore_state(state)
+        replayed = 0
+        apply = self.state_machine.apply
+        parse = internal_pb2.Command.FromString
+        for index, payload in self.wal.replay(self._snapshot_index):
+            apply(index, parse(payload))
+            replayed += 1
+        self.wal.open_for_append()
+        self._next_index = self.wal.last_index
+        rec = self.wal.recovery
+        log.info(
+            "recovered snapshot_index=%d replayed=%d last_index=%d dropped_bytes=%d seconds=%.3f",
+            self._snapshot_index,
+            replayed,
+            rec.last_index,
+            rec.dropped_bytes,
+            time.monotonic() - started,
+        )
+
+    @property
+    def last_index(self) -> int:
+        return self._next_index
+
+    # -- proposing ------------------------------------------------------------
+
+    async def propose(self, command: internal_pb2.Command) -> ApplyResult:
+        """Append `command`; returns its result once durable and applied.
+
+        Raises `RequestTooLarge` (etcd's check on the encoded log entry) and
+        `ServerStopped` without appending anything."""
+        if self._failed is not None or self._closed:
+            raise ServerStopped()
+        payload = command.SerializeToString()
+        if len(payload) > self.max_request_bytes:
+            raise RequestTooLarge()
+        loop = asyncio.get_running_loop()
+        self._next_index += 1
+        future: asyncio.Future[ApplyResult] = loop.create_future()
+        self._pending.append(_Proposal(self._next_index, command, payload, future))
+        if self._flusher is None:
+            self._flusher = loop.create_task(self._flush())
+        return await future
+
+    async def _flush(self) -> None:
+        loop = asyncio.get_running_loop()
+        apply = self.state_machine.apply
+        try:
+            while self._pending:
+                batch = self._pending[:MAX_BATCH]
+                del self._pending[:MAX_BATCH]
+                records = [(p.index, p.payload) for p in batch]
+                try:
+                    await loop.run_in_executor(self._writer, self.wal.append, records)
+                except BaseException as e:
+                    self._fail(e, batch)
+                    return
+                self.commits += 1
+                for p in batch:
+                    try:
+                        result = apply(p.index, p.command)
+                    except Exception as e:  # a bug: report it, keep the loop alive
+                        log.exception("apply failed index=%d", p.index)
+                        if not p.future.done():
+                            p.future.set_exception(e)
+                        continue
+                    if not p.future.done():
+                        p.future.set_result(result)
+                if self.state_machine.applied_index - self._snapshot_index >= self.snapshot_count:
+                    await self._snapshot()
+        finally:
+            self._flusher = None
+
+    def _fail(self, error: BaseException, batch: list[_Proposal]) -> None:
+        """The disk refused a write: nothing more can be made durable."""
+        log.error("wal write failed, refusing further writes error=%r", error)
+        self._failed = error
+        for p in (*batch, *self._pending):
+            if not p.future.done():
+                p.future.set_exception(ServerStopped())
+        self._pending.clear()
+
+    async def _snapshot(self) -> None:
+        index = self.state_machine.applied_index
+        state = self.state_machine.export_state()
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        size = await loop.run_in_executor(self._writer, self._write_snapshot, index, state)
+        self._snapshot_index = index
+        log.info(
+            "snapshot saved index=%d bytes=%d seconds=%.3f", index, size, time.monotonic() - started
+        )
+
+    def _write_snapshot(self, index: int, state: Any) -> int:
+        # Runs on the writer thread, between two batches: every record up to
+        # `index` is in the current segment or older ones.
+        self.wal.rotate()
+        size = self.snapshots.save(index, state)
+        self.wal.remove_covered(index)
+        return size
+
+    async def snapshot_now(self) -> None:
+        """Take a snapshot at the current applied index (tests, shutdown)."""
+        if self.state_machine.applied_index > self._snapshot_index:
+            await self._snapshot()
+
+    # -- shutdown -------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Finish what is in flight, then release the files."""
+        self._closed = True
+        while self._flusher is not None:
+            await asyncio.shield(self._flusher)
+        self._writer.shutdown(wait=True)
+        self.wal.close()

@@ -1,0 +1,125 @@
+"""Regenerate the Python protobuf/gRPC modules from ``etcdserverpb/*.proto``.
+
+Runs ``grpc_tools.protoc`` with the repository root and grpc_tools' bundled
+include directory as import paths, writing ``*_pb2.py``, ``*_pb2.pyi`` and
+``*_pb2_grpc.py`` next to the ``.proto`` files (the generated files are
+committed).
+
+Usage::
+
+    python scripts/gen_protos.py          # regenerate in place
+    python scripts/gen_protos.py --check  # exit 1 if committed files are stale
+
+Works from any working directory: the repository root is derived from the
+location of this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+
+from grpc_tools import protoc
+
+REPO_ROOT: Path = Path(__file__).resolve().parent.parent
+PROTO_PACKAGE: str = "etcdserverpb"
+GENERATED_SUFFIXES: tuple[str, ...] = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+
+
+def proto_files() -> list[Path]:
+    """Return the ``.proto`` sources, sorted, as absolute paths."""
+    return sorted((REPO_ROOT / PROTO_PACKAGE).glob("*.proto"))
+
+
+def grpc_tools_include() -> str:
+    """Return grpc_tools' bundled include dir (well-known types)."""
+    return str(resources.files("grpc_tools") / "_proto")
+
+
+def is_generated(path: Path) -> bool:
+    """True if ``path`` looks like an output of this script."""
+    return path.name.endswith(GENERATED_SUFFIXES)
+
+
+def generate(out_dir: Path) -> None:
+    """Run protoc over all protos, writing outputs below ``out_dir``.
+
+    Outputs land at ``out_dir/etcdserverpb/...`` because the protos are
+    addressed relative to the repository root (``-I <root>``).
+    """
+    sources = proto_files()
+    if not sources:
+        raise SystemExit(f"no .proto files found in {REPO_ROOT / PROTO_PACKAGE}")
+    args = [
+        "grpc_tools.protoc",
+        f"--proto_path={REPO_ROOT}",
+        f"--proto_path={grpc_tools_include()}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        *(str(p) for p in sources),
+    ]
+    rc = protoc.main(args)
+    if rc != 0:
+        raise SystemExit(f"protoc failed with exit code {rc}")
+    # Post-processing hook: nothing needed with the pinned toolchain. The
+    # generated modules already use package-qualified imports such as
+    # ``from etcdserverpb import kv_pb2`` because of ``-I <root>``.
+
+
+def generated_files(root: Path) -> dict[str, bytes]:
+    """Map repo-relative path -> contents of generated files below ``root``."""
+    pkg_dir = root / PROTO_PACKAGE
+    if not pkg_dir.is_dir():
+        return {}
+    return {
+        f"{PROTO_PACKAGE}/{p.name}": p.read_bytes()
+        for p in sorted(pkg_dir.iterdir())
+        if p.is_file() and is_generated(p)
+    }
+
+
+def check() -> int:
+    """Generate into a temp dir and compare with the committed files."""
+    with tempfile.TemporaryDirectory(prefix="gen_protos_") as tmp:
+        generate(Path(tmp))
+        fresh = generated_files(Path(tmp))
+    committed = generated_files(REPO_ROOT)
+    stale: list[str] = []
+    for name in sorted(fresh.keys() | committed.keys()):
+        if name not in committed:
+            stale.append(f"{name} (missing)")
+        elif name not in fresh:
+            stale.append(f"{name} (no longer generated)")
+        elif fresh[name] != committed[name]:
+            stale.append(f"{name} (differs)")
+    if stale:
+        print("Generated protobuf code is stale; run `python scripts/gen_protos.py`:")
+        for entry in stale:
+            print(f"  {entry}")
+        return 1
+    print(f"Generated protobuf code is up to date ({len(fresh)} files).")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="do not write; exit 1 if committed generated files are stale",
+    )
+    opts = parser.parse_args(argv)
+    if opts.check:
+        return check()
+    generate(REPO_ROOT)
+    print(f"Regenerated {len(generated_files(REPO_ROOT))} files in {PROTO_PACKAGE}/.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

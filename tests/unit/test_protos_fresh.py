@@ -1,0 +1,122 @@
+"""The committed generated protobuf code is fresh and matches etcd v3.5 wire facts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # allow plain `pytest` without an install
+    sys.path.insert(0, str(REPO_ROOT))
+
+from etcdserverpb import (  # noqa: E402
+    internal_pb2,
+    kv_pb2,
+    rpc_pb2,
+    v3election_pb2,
+    v3lock_pb2,
+)
+
+
+def _numbers(message: object) -> dict[str, int]:
+    desc = message.DESCRIPTOR  # type: ignore[attr-defined]
+    return {f.name: f.number for f in desc.fields}
+
+
+@pytest.mark.unit
+def test_generated_code_is_fresh() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "gen_protos.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.unit
+def test_kv_wire_numbers() -> None:
+    assert _numbers(rpc_pb2.RangeRequest) == {
+        "key": 1,
+        "range_end": 2,
+        "limit": 3,
+        "revision": 4,
+        "sort_order": 5,
+        "sort_target": 6,
+        "serializable": 7,
+        "keys_only": 8,
+        "count_only": 9,
+        "min_mod_revision": 10,
+        "max_mod_revision": 11,
+        "min_create_revision": 12,
+        "max_create_revision": 13,
+    }
+    assert _numbers(rpc_pb2.PutRequest) == {
+        "key": 1,
+        "value": 2,
+        "lease": 3,
+        "prev_kv": 4,
+        "ignore_value": 5,
+        "ignore_lease": 6,
+    }
+    assert _numbers(rpc_pb2.TxnRequest) == {"compare": 1, "success": 2, "failure": 3}
+    assert _numbers(rpc_pb2.RequestOp) == {
+        "request_range": 1,
+        "request_put": 2,
+        "request_delete_range": 3,
+        "request_txn": 4,
+    }
+    assert _numbers(kv_pb2.KeyValue) == {
+        "key": 1,
+        "create_revision": 2,
+        "mod_revision": 3,
+        "version": 4,
+        "value": 5,
+        "lease": 6,
+    }
+    assert _numbers(rpc_pb2.WatchResponse)["events"] == 11
+
+
+@pytest.mark.unit
+def test_compare_oneof_and_range_end() -> None:
+    desc = rpc_pb2.Compare.DESCRIPTOR
+    union = desc.oneofs_by_name["target_union"]
+    assert {f.name: f.number for f in union.fields} == {
+        "version": 4,
+        "create_revision": 5,
+        "mod_revision": 6,
+        "value": 7,
+        "lease": 8,
+    }
+    assert desc.fields_by_name["range_end"].number == 64
+    assert rpc_pb2.Compare.CompareTarget.Value("LEASE") == 4
+    assert rpc_pb2.Compare.CompareResult.Value("NOT_EQUAL") == 3
+
+
+@pytest.mark.unit
+def test_services_and_methods() -> None:
+    kv = rpc_pb2.DESCRIPTOR.services_by_name["KV"]
+    assert kv.full_name == "etcdserverpb.KV"
+    assert [m.name for m in kv.methods] == ["Range", "Put", "DeleteRange", "Txn", "Compact"]
+    watch = rpc_pb2.DESCRIPTOR.services_by_name["Watch"].methods_by_name["Watch"]
+    assert watch.client_streaming and watch.server_streaming
+    lock = v3lock_pb2.DESCRIPTOR.services_by_name["Lock"]
+    assert lock.full_name == "v3lockpb.Lock"
+    observe = v3election_pb2.DESCRIPTOR.services_by_name["Election"].methods_by_name["Observe"]
+    assert observe.server_streaming and not observe.client_streaming
+
+
+@pytest.mark.unit
+def test_internal_command_oneof() -> None:
+    desc = internal_pb2.Command.DESCRIPTOR
+    assert desc.full_name == "queue_server.internal.Command"
+    assert {f.name: f.number for f in desc.oneofs_by_name["op"].fields} == {
+        "put": 1,
+        "delete_range": 2,
+        "txn": 3,
+        "compaction": 4,
+    }
