@@ -1,0 +1,1 @@
+"""Helpers shared by the test tiers: real server processes on loopback ports."""

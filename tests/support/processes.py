@@ -1,0 +1,172 @@
+"""Start and stop real server processes (ours and, where installed, etcd) for tests.
+
+Every process listens on 127.0.0.1 on a free port, keeps its data in a folder the
+test owns, and is ended by its own pid. Readiness is awaited by calling
+Maintenance.Status until it answers (bounded), never by sleeping.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from etcdserverpb import rpc_pb2, rpc_pb2_grpc
+
+READY_TIMEOUT = 30.0
+STOP_TIMEOUT = 15.0
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_ready(
+    endpoint: str, proc: subprocess.Popen[bytes] | None, timeout: float = READY_TIMEOUT
+) -> None:
+    """Block until the server at `endpoint` answers Status (or fail)."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        with grpc.insecure_channel(endpoint) as ch:
+            try:
+                grpc.channel_ready_future(ch).result(timeout=1.0)
+                rpc_pb2_grpc.MaintenanceStub(ch).Status(rpc_pb2.StatusRequest(), timeout=2.0)
+                return
+            except (grpc.FutureTimeoutError, grpc.RpcError) as e:
+                last = e
+    raise TimeoutError(f"server at {endpoint} not ready after {timeout}s: {last}")
+
+
+class ServerProcess:
+    """Our server, run as `python -m queue_server.cli` in its own process."""
+
+    def __init__(
+        self, data_dir: Path, port: int | None = None, extra_args: list[str] | None = None
+    ) -> None:
+        self.data_dir = data_dir
+        self.port = port or free_port()
+        self.extra_args = list(extra_args or [])
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = data_dir.parent / f"{data_dir.name}.log"
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        url = f"http://{self.endpoint}"
+        return [
+            sys.executable,
+            "-m",
+            "queue_server.cli",
+            "--name",
+            self.data_dir.name,
+            "--data-dir",
+            str(self.data_dir),
+            "--listen-client-urls",
+            url,
+            "--advertise-client-urls",
+            url,
+            *self.extra_args,
+        ]
+
+    def start(self, wait: bool = True) -> ServerProcess:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO_ROOT,
+                env=os.environ.copy(),
+            )
+        if wait:
+            wait_ready(self.endpoint, self.proc)
+        return self
+
+    def stop(self) -> int:
+        """SIGTERM and wait: a clean shutdown. Returns the exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=STOP_TIMEOUT)
+            raise
+
+    def kill(self) -> None:
+        """SIGKILL: the crash case."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=STOP_TIMEOUT)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+class EtcdProcess:
+    """A real etcd (Debian's etcd-server) for side-by-side comparisons."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.peer_port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = data_dir.parent / f"{data_dir.name}.log"
+
+    @staticmethod
+    def available() -> bool:
+        return shutil.which("etcd") is not None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> EtcdProcess:
+        url = f"http://{self.endpoint}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        cmd = [
+            "etcd",
+            "--name",
+            "ref",
+            "--data-dir",
+            str(self.data_dir),
+            "--listen-client-urls",
+            url,
+            "--advertise-client-urls",
+            url,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"ref={peer}",
+        ]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        wait_ready(self.endpoint, self.proc)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=STOP_TIMEOUT)
