@@ -55,36 +55,64 @@ class KeyValue:
     lease: int
 
 
+SUB_BITS = 32
+"""A history entry's position is `revision << SUB_BITS | sub`: `sub` numbers the
+changes inside one write transaction (etcd's sub-revision), so a delete of many
+keys in one revision still orders its events as they were made."""
+_SUB_MASK = (1 << SUB_BITS) - 1
+
+
+def position(revision: int, sub: int = _SUB_MASK) -> int:
+    """The history position of change `sub` of `revision` (default: its last)."""
+    return (revision << SUB_BITS) | sub
+
+
 @dataclass(slots=True)
 class KeyHistory:
     """Every change of one key not yet compacted away, oldest first.
 
-    Invariant: `revisions` is ascending (equal entries only for changes made in
-    one transaction) and has one entry per entry of `changes`; a change is a `KeyValue` or None for a tombstone.
+    Invariant: `positions` is strictly ascending (see `position`) and has one entry
+    per entry of `changes`; a change is a `KeyValue` or None for a tombstone.
     """
 
-    revisions: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
     changes: list[KeyValue | None] = field(default_factory=list)
-
-    def latest(self) -> KeyValue | None:
-        return self.changes[-1] if self.changes else None
 
     def at(self, revision: int) -> KeyValue | None:
         """The key's value as of `revision`, or None if it did not exist then."""
-        if self.revisions[-1] <= revision:
+        bound = position(revision)
+        if self.positions[-1] <= bound:
             return self.changes[-1]
-        i = bisect_right(self.revisions, revision)
+        i = bisect_right(self.positions, bound)
         return self.changes[i - 1] if i else None
 
     def compact(self, revision: int) -> None:
         """Drop the changes no read at `revision` or later can see."""
-        i = bisect_right(self.revisions, revision)
+        i = bisect_right(self.positions, position(revision))
         if i == 0:
             return
         keep_from = i - 1 if self.changes[i - 1] is not None else i
         if keep_from:
-            del self.revisions[:keep_from]
+            del self.positions[:keep_from]
             del self.changes[:keep_from]
+
+    def events_between(self, key: bytes, after: int, upto: int) -> list[tuple[int, Event]]:
+        """(position, event) for each change made at a revision in (after, upto]."""
+        start = bisect_right(self.positions, position(after))
+        out: list[tuple[int, Event]] = []
+        positions, changes = self.positions, self.changes
+        for i in range(start, len(positions)):
+            pos = positions[i]
+            revision = pos >> SUB_BITS
+            if revision > upto:
+                break
+            prev = changes[i - 1] if i else None
+            kv = changes[i]
+            if kv is None:
+                out.append((pos, Event(True, KeyValue(key, 0, revision, 0, b"", 0), prev)))
+            else:
+                out.append((pos, Event(False, kv, prev)))
+        return out
 
 
 @dataclass(slots=True, frozen=True)
@@ -188,6 +216,17 @@ class MVCCStore:
                 kvs.append(kv)
         return RangeResult(kvs, count, self.revision)
 
+    def events_between(self, key: bytes, end: bytes | None, after: int, upto: int) -> list[Event]:
+        """Every change to keys in [key, end) made at a revision in (after, upto],
+        in the order they were made: what a watcher that missed them must receive.
+        `after` must not be below the compaction revision."""
+        found: list[tuple[int, Event]] = []
+        for k, history in self._histories(key, end):
+            if history.positions[-1] > position(after):
+                found.extend(history.events_between(k, after, upto))
+        found.sort(key=lambda pe: pe[0])
+        return [e for _, e in found]
+
     def get(self, key: bytes) -> KeyValue | None:
         """The key's current value, or None."""
         history = self._index.get(key)
@@ -199,7 +238,7 @@ class MVCCStore:
         """Begin a write transaction at the next revision."""
         return WriteTxn(self)
 
-    def _put(self, key: bytes, value: bytes, lease: int, revision: int) -> Event:
+    def _put(self, key: bytes, value: bytes, lease: int, revision: int, sub: int) -> Event:
         history = self._index.get(key)
         if history is None:
             history = KeyHistory()
@@ -210,17 +249,17 @@ class MVCCStore:
             self._key_count += 1
         else:
             kv = KeyValue(key, prev.create_revision, revision, prev.version + 1, value, lease)
-        history.revisions.append(revision)
+        history.positions.append(position(revision, sub))
         history.changes.append(kv)
         return Event(False, kv, prev)
 
-    def _delete(self, key: bytes, end: bytes | None, revision: int) -> list[Event]:
+    def _delete(self, key: bytes, end: bytes | None, revision: int, sub: int) -> list[Event]:
         events: list[Event] = []
         for k, history in self._histories(key, end):
             prev = history.changes[-1]
             if prev is None:
                 continue
-            history.revisions.append(revision)
+            history.positions.append(position(revision, sub + len(events)))
             history.changes.append(None)
             self._key_count -= 1
             events.append(Event(True, KeyValue(k, 0, revision, 0, b"", 0), prev))
@@ -259,7 +298,7 @@ class MVCCStore:
                 else (kv.create_revision, kv.mod_revision, kv.version, kv.value, kv.lease)
                 for kv in history.changes
             ]
-            keys.append((key, list(history.revisions), changes))
+            keys.append((key, list(history.positions), changes))
         return self.revision, self.compact_revision, keys
 
     @classmethod
@@ -273,9 +312,9 @@ class MVCCStore:
         store = cls()
         store.revision, store.compact_revision, keys = state
         items = []
-        for key, revisions, changes in keys:
+        for key, positions, changes in keys:
             history = KeyHistory(
-                revisions,
+                positions,
                 [
                     None if c is None else KeyValue(key, c[0], c[1], c[2], c[3], c[4])
                     for c in changes
@@ -328,12 +367,12 @@ class WriteTxn:
             store.revision = saved
 
     def put(self, key: bytes, value: bytes, lease: int = 0) -> Event:
-        event = self.store._put(key, value, lease, self.revision)
+        event = self.store._put(key, value, lease, self.revision, len(self.events))
         self.events.append(event)
         return event
 
     def delete_range(self, key: bytes, end: bytes | None) -> list[Event]:
-        events = self.store._delete(key, end, self.revision)
+        events = self.store._delete(key, end, self.revision, len(self.events))
         self.events.extend(events)
         return events
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from queue_server.errors import Compacted, FutureRevision
-from queue_server.mvcc.store import ALL_KEYS_END, KeyValue, MVCCStore
+from queue_server.mvcc.store import ALL_KEYS_END, Event, KeyValue, MVCCStore
 
 pytestmark = pytest.mark.unit
 
@@ -99,7 +99,7 @@ def test_compaction_drops_tombstoned_keys_but_keeps_live_values() -> None:
     put(store, b"b", b"2")  # 5
     store.compact(5)
     assert b"a" not in store._index
-    assert store._index[b"b"].revisions == [5]
+    assert [p >> 32 for p in store._index[b"b"].positions] == [5]
     assert store.range(b"a", ALL_KEYS_END).count == 1
 
 
@@ -136,7 +136,30 @@ def test_commit_hook_sees_events_with_prev_kv() -> None:
     put(store, b"a", b"2")
     delete(store, b"a")
     delete(store, b"a")  # nothing deleted: no event, no revision
-    assert seen == [(2, [(False, b"a", None)]), (3, [(False, b"a", b"1")]), (4, [(True, b"a", b"2")])]
+    assert seen == [
+        (2, [(False, b"a", None)]),
+        (3, [(False, b"a", b"1")]),
+        (4, [(True, b"a", b"2")]),
+    ]
+
+
+def test_events_between_orders_by_revision_then_by_change() -> None:
+    store = MVCCStore()
+    put(store, b"b", b"1")  # 2
+    with store.write() as txn:  # 3: b then a, in that order
+        txn.put(b"b", b"2")
+        txn.put(b"a", b"1")
+    delete(store, b"a", b"c")  # 4: deletes a and b
+    events = store.events_between(b"a", b"c", 1, 4)
+    assert [(e.is_delete, e.kv.key, e.kv.mod_revision) for e in events] == [
+        (False, b"b", 2),
+        (False, b"b", 3),
+        (False, b"a", 3),
+        (True, b"a", 4),
+        (True, b"b", 4),
+    ]
+    assert events[1].prev_kv is not None and events[1].prev_kv.value == b"1"
+    assert store.events_between(b"a", b"c", 3, 3) == []
 
 
 def test_export_and_restore_round_trip() -> None:
@@ -150,7 +173,9 @@ def test_export_and_restore_round_trip() -> None:
     assert copy.revision == store.revision and copy.compact_revision == 3
     assert copy.key_count == store.key_count
     for rev in (3, 4, 5):
-        assert copy.range(b"", ALL_KEYS_END, revision=rev) == store.range(b"", ALL_KEYS_END, revision=rev)
+        assert copy.range(b"", ALL_KEYS_END, revision=rev) == store.range(
+            b"", ALL_KEYS_END, revision=rev
+        )
 
 
 # -- property test against a naive model ------------------------------------------
@@ -206,6 +231,8 @@ ops = st.one_of(
 @given(st.lists(ops, max_size=40))
 def test_store_agrees_with_model(operations: list[tuple[str, object, object]]) -> None:
     store, model = MVCCStore(), Model()
+    committed: list[tuple[int, list[Event]]] = []
+    store.on_commit = lambda rev, events: committed.append((rev, list(events)))
     for op, a, b in operations:
         if op == "put":
             assert isinstance(a, bytes) and isinstance(b, bytes)
@@ -238,9 +265,15 @@ def test_store_agrees_with_model(operations: list[tuple[str, object, object]]) -
             got = store.range(b"\x00", ALL_KEYS_END, revision=rev)
             assert got.kvs == expected, f"at revision {rev}"
             assert got.count == len(expected)
-        assert store.key_count == sum(
-            model.value_at(k, model.revision) is not None for k in KEYS
-        )
+        assert store.key_count == sum(model.value_at(k, model.revision) is not None for k in KEYS)
         if model.compacted > 1:
             with pytest.raises(Compacted):
                 store.range(b"a", None, revision=model.compacted - 1)
+    # history replays exactly the events that were delivered live, in order
+    for after in range(max(model.compacted, 1), model.revision + 1):
+        live = [e for rev, evs in committed if rev > after for e in evs]
+        replayed = store.events_between(b"\x00", ALL_KEYS_END, after, model.revision)
+        assert [(e.is_delete, e.kv) for e in replayed] == [(e.is_delete, e.kv) for e in live]
+        # prev_kv survives in history unless compaction removed it
+        for got, want in zip(replayed, live, strict=True):
+            assert got.prev_kv in (want.prev_kv, None)
