@@ -44,6 +44,7 @@ class Config:
     grpc_keepalive_min_time: float
     grpc_keepalive_interval: float
     grpc_keepalive_timeout: float
+    watch_progress_notify_interval: float
 
     def listen_addresses(self) -> list[str]:
         """host:port pairs to bind, from --listen-client-urls."""
@@ -155,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--grpc-keepalive-interval", default="2h", help="server-to-client ping interval")
     add("--grpc-keepalive-timeout", default="20s", help="wait for a ping answer before closing")
+    add(
+        "--experimental-watch-progress-notify-interval",
+        default="10m",
+        help="interval of progress notifications to watchers that asked for them",
+    )
     return p
 
 
@@ -201,6 +207,9 @@ def parse_config(
         grpc_keepalive_min_time=parse_duration(a.grpc_keepalive_min_time),
         grpc_keepalive_interval=parse_duration(a.grpc_keepalive_interval),
         grpc_keepalive_timeout=parse_duration(a.grpc_keepalive_timeout),
+        watch_progress_notify_interval=parse_duration(
+            a.experimental_watch_progress_notify_interval
+        ),
     )
     config.listen_addresses()  # fail early on a bad URL
     parse_retention(config.auto_compaction_mode, config.auto_compaction_retention)

@@ -23,11 +23,13 @@ from etcdserverpb import internal_pb2, rpc_pb2_grpc
 from queue_server.api.header import HeaderFiller
 from queue_server.api.kv import KVService
 from queue_server.api.maintenance import ClusterService, MaintenanceService, MemberInfo
+from queue_server.api.watch import WatchService, run_progress_notifier
 from queue_server.apply import StateMachine
 from queue_server.compactor import CompactionPlanner, parse_retention, run_compactor
 from queue_server.config import GRPC_OVERHEAD_BYTES, Config
 from queue_server.errors import EtcdError
 from queue_server.storage.local_log import LocalLog
+from queue_server.watch.hub import WatchHub
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,7 @@ class Server:
         self.bound_ports: list[int] = []
         self._lock_fd = -1
         self._compactor: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     # -- data directory -------------------------------------------------------
 
@@ -151,6 +154,9 @@ class Server:
             server,
         )
         rpc_pb2_grpc.add_ClusterServicer_to_server(ClusterService(member, header), server)
+        self.watch_hub = WatchHub(lambda: self.state.store, cfg.max_request_bytes)
+        self.state.store.on_commit = self.watch_hub.on_commit
+        rpc_pb2_grpc.add_WatchServicer_to_server(WatchService(self.watch_hub, header), server)
         for address in cfg.listen_addresses():
             try:
                 port = server.add_insecure_port(address)
@@ -164,6 +170,12 @@ class Server:
         await server.start()
         self.grpc_server = server
         self._start_compactor()
+        loop = asyncio.get_running_loop()
+        self._tasks.append(
+            loop.create_task(
+                run_progress_notifier(self.watch_hub, cfg.watch_progress_notify_interval)
+            )
+        )
         log.info(
             "ready to serve client requests name=%s listen=%s data_dir=%s revision=%d term=%d",
             cfg.name,
@@ -220,6 +232,8 @@ class Server:
         """Stop serving; in-flight calls get `grace` seconds; the log is flushed."""
         if self._compactor is not None:
             self._compactor.cancel()
+        for task in self._tasks:
+            task.cancel()
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace)
         if self.log is not None:

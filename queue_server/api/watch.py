@@ -1,0 +1,92 @@
+"""The etcdserverpb.Watch service: one bidirectional stream, many watchers.
+
+The handler reads requests in one task (create, cancel, progress) and writes the
+stream's outbox in another: the watch hub only ever appends to the outbox, so a
+slow client never blocks apply or other streams. When the outbox has room again
+the writer asks the hub to catch the stream's lagging watchers up from history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from grpc import aio
+
+from etcdserverpb import rpc_pb2, rpc_pb2_grpc
+from queue_server.api.header import HeaderFiller
+from queue_server.watch.hub import WatchHub, WatchStream
+
+log = logging.getLogger(__name__)
+
+Context = aio.ServicerContext[rpc_pb2.WatchRequest, rpc_pb2.WatchResponse]
+
+DEFAULT_PROGRESS_INTERVAL = 600.0
+"""etcd's default --experimental-watch-progress-notify-interval (10 minutes)."""
+
+
+class WatchService(rpc_pb2_grpc.WatchServicer):
+    """Serves Watch streams from one `WatchHub`."""
+
+    def __init__(self, hub: WatchHub, header: HeaderFiller) -> None:
+        self.hub = hub
+        self.header = header
+
+    async def Watch(
+        self, request_iterator: AsyncIterator[rpc_pb2.WatchRequest], context: Context
+    ) -> None:
+        wake = asyncio.Event()
+        stream = self.hub.open_stream(wake.set)
+        reader = asyncio.get_running_loop().create_task(self._read(request_iterator, stream))
+        reader.add_done_callback(lambda _: wake.set())
+        try:
+            await self._write(stream, wake, reader, context)
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            self.hub.close_stream(stream)
+
+    async def _read(
+        self, requests: AsyncIterator[rpc_pb2.WatchRequest], stream: WatchStream
+    ) -> None:
+        hub = self.hub
+        async for req in requests:
+            kind = req.WhichOneof("request_union")
+            if kind == "create_request":
+                hub.create(stream, req.create_request)
+            elif kind == "cancel_request":
+                hub.cancel(stream, req.cancel_request.watch_id)
+            elif kind == "progress_request":
+                hub.request_progress(stream)
+
+    async def _write(
+        self,
+        stream: WatchStream,
+        wake: asyncio.Event,
+        reader: asyncio.Task[None],
+        context: Context,
+    ) -> None:
+        fill = self.header.fill
+        while True:
+            while stream.outbox:
+                response = stream.pop()
+                fill(response.header)
+                await context.write(response)
+            if stream.has_room and any(not w.synced for w in stream.watchers.values()):
+                self.hub.catch_up(stream)
+                if stream.outbox:
+                    continue
+            if reader.done():
+                return  # the client closed its side (or the stream broke)
+            wake.clear()
+            await wake.wait()
+
+
+async def run_progress_notifier(hub: WatchHub, interval: float) -> None:
+    """Tick watchers' progress notifications every `interval` seconds (cancel to stop)."""
+    while True:
+        await asyncio.sleep(interval)
+        hub.progress_tick()
