@@ -21,7 +21,12 @@ def test_defaults_follow_etcd() -> None:
 def test_environment_variables_set_flags_and_flags_win() -> None:
     env = {"ETCD_NAME": "n1", "ETCD_MAX_REQUEST_BYTES": "1000", "ETCD_UNSAFE_NO_FSYNC": "true"}
     c = parse_config([], environ=env)
-    assert (c.name, c.data_dir, c.max_request_bytes, c.unsafe_no_fsync) == ("n1", "n1.etcd", 1000, True)
+    assert (c.name, c.data_dir, c.max_request_bytes, c.unsafe_no_fsync) == (
+        "n1",
+        "n1.etcd",
+        1000,
+        True,
+    )
     c = parse_config(["--name", "n2", "--max-request-bytes", "2000"], environ=env)
     assert (c.name, c.max_request_bytes) == ("n2", 2000)
 

@@ -90,7 +90,9 @@ def test_snapshot_round_trip_and_corruption(tmp_path: Path) -> None:
 
 async def _fill(log: LocalLog, n: int) -> list[object]:
     return list(
-        await asyncio.gather(*(log.propose(put_command(b"k%03d" % i, b"v%d" % i)) for i in range(n)))
+        await asyncio.gather(
+            *(log.propose(put_command(b"k%03d" % i, b"v%d" % i)) for i in range(n))
+        )
     )
 
 
