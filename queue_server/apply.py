@@ -14,6 +14,7 @@ same `apply`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from google.protobuf.message import Message
@@ -21,7 +22,8 @@ from google.protobuf.message import Message
 from etcdserverpb import internal_pb2, rpc_pb2
 from queue_server.errors import EtcdError
 from queue_server.kv.executor import KVExecutor
-from queue_server.mvcc.store import MVCCStore
+from queue_server.lease.lessor import Lessor
+from queue_server.mvcc.store import Event, MVCCStore
 
 Command = internal_pb2.Command
 ApplyResult = Message | EtcdError
@@ -45,12 +47,27 @@ STATE_FORMAT = 1
 
 
 class StateMachine:
-    """Owns the MVCC store and applies log commands to it in log order."""
+    """Owns the MVCC store and the lease table; applies log commands in log order.
+
+    `commit_listener` (the node's watch hub) is told of every committed write
+    transaction's events, after the lease table has followed them.
+    """
 
     def __init__(self) -> None:
-        self.store = MVCCStore()
-        self.kv = KVExecutor(self.store)
+        self.lessor = Lessor()
+        self.commit_listener: Callable[[int, list[Event]], None] | None = None
+        self._use_store(MVCCStore())
         self.applied_index = 0
+
+    def _use_store(self, store: MVCCStore) -> None:
+        self.store = store
+        store.on_commit = self._on_commit
+        self.kv = KVExecutor(store, self.lessor.exists)
+
+    def _on_commit(self, revision: int, events: list[Event]) -> None:
+        self.lessor.follow(revision, events)
+        if self.commit_listener is not None:
+            self.commit_listener(revision, events)
 
     # -- changes --------------------------------------------------------------
 
@@ -70,9 +87,24 @@ class StateMachine:
                 return self.kv.txn(command.txn)
             if kind == "compaction":
                 return self.kv.compact(command.compaction)
+            if kind == "lease_grant":
+                return self._lease_grant(command.lease_grant)
+            if kind == "lease_revoke":
+                return self._lease_revoke(command.lease_revoke)
         except EtcdError as e:
             return e
         raise AssertionError(f"unknown command {kind!r} at index {index}")
+
+    def _lease_grant(self, r: rpc_pb2.LeaseGrantRequest) -> rpc_pb2.LeaseGrantResponse:
+        lease = self.lessor.grant(r.ID, r.TTL)
+        resp = rpc_pb2.LeaseGrantResponse(ID=lease.lease_id, TTL=lease.ttl)
+        resp.header.revision = self.store.revision
+        return resp
+
+    def _lease_revoke(self, r: rpc_pb2.LeaseRevokeRequest) -> rpc_pb2.LeaseRevokeResponse:
+        resp = rpc_pb2.LeaseRevokeResponse()
+        resp.header.revision = self.lessor.revoke(r.ID, self.store)
+        return resp
 
     # -- reads ----------------------------------------------------------------
 
@@ -91,13 +123,12 @@ class StateMachine:
             "format": STATE_FORMAT,
             "applied_index": self.applied_index,
             "mvcc": self.store.export_state(),
+            "leases": self.lessor.export_state(),
         }
 
     def restore_state(self, state: dict[str, Any]) -> None:
         if state.get("format") != STATE_FORMAT:
             raise RuntimeError(f"snapshot format {state.get('format')!r} is not {STATE_FORMAT}")
-        on_commit = self.store.on_commit
-        self.store = MVCCStore.from_state(state["mvcc"])
-        self.store.on_commit = on_commit
-        self.kv = KVExecutor(self.store, self.kv.lease_exists)
+        self._use_store(MVCCStore.from_state(state["mvcc"]))
+        self.lessor.restore_state(state["leases"], self.store)
         self.applied_index = state["applied_index"]

@@ -22,12 +22,14 @@ from grpc import aio
 from etcdserverpb import internal_pb2, rpc_pb2_grpc
 from queue_server.api.header import HeaderFiller
 from queue_server.api.kv import KVService
+from queue_server.api.lease import LeaseService
 from queue_server.api.maintenance import ClusterService, MaintenanceService, MemberInfo
 from queue_server.api.watch import WatchService, run_progress_notifier
 from queue_server.apply import StateMachine
 from queue_server.compactor import CompactionPlanner, parse_retention, run_compactor
 from queue_server.config import GRPC_OVERHEAD_BYTES, Config
-from queue_server.errors import EtcdError
+from queue_server.errors import EtcdError, LeaseNotFound
+from queue_server.lease.expiry import ExpiryClock
 from queue_server.storage.local_log import LocalLog
 from queue_server.watch.hub import WatchHub
 
@@ -74,6 +76,7 @@ class Server:
         self._lock_fd = -1
         self._compactor: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self.expiry = ExpiryClock()
 
     # -- data directory -------------------------------------------------------
 
@@ -131,6 +134,12 @@ class Server:
             self.log.recover()
         except OSError as e:
             raise StartupError(f"cannot read data dir {cfg.data_dir!r}: {e}") from e
+        # Every lease gets a full TTL from now, as after an etcd leader election.
+        lessor = self.state.lessor
+        for lease in lessor.leases.values():
+            self.expiry.granted(lease.lease_id, lease.ttl)
+        lessor.on_grant = self.expiry.granted
+        lessor.on_revoke = self.expiry.revoked
 
         member_id = member_id_for(cfg.initial_advertise_peer_urls, cfg.initial_cluster_token)
         header = HeaderFiller(
@@ -155,8 +164,11 @@ class Server:
         )
         rpc_pb2_grpc.add_ClusterServicer_to_server(ClusterService(member, header), server)
         self.watch_hub = WatchHub(lambda: self.state.store, cfg.max_request_bytes)
-        self.state.store.on_commit = self.watch_hub.on_commit
+        self.state.commit_listener = self.watch_hub.on_commit
         rpc_pb2_grpc.add_WatchServicer_to_server(WatchService(self.watch_hub, header), server)
+        rpc_pb2_grpc.add_LeaseServicer_to_server(
+            LeaseService(self.state, self.log, self.expiry, header), server
+        )
         for address in cfg.listen_addresses():
             try:
                 port = server.add_insecure_port(address)
@@ -176,6 +188,7 @@ class Server:
                 run_progress_notifier(self.watch_hub, cfg.watch_progress_notify_interval)
             )
         )
+        self._tasks.append(loop.create_task(self.expiry.run(self._revoke_expired)))
         log.info(
             "ready to serve client requests name=%s listen=%s data_dir=%s revision=%d term=%d",
             cfg.name,
@@ -227,6 +240,15 @@ class Server:
         self._compactor = asyncio.get_running_loop().create_task(
             run_compactor(planner, lambda: self.state.store.revision, compact)
         )
+
+    async def _revoke_expired(self, lease_id: int) -> None:
+        assert self.log is not None
+        command = internal_pb2.Command()
+        command.lease_revoke.ID = lease_id
+        result = await self.log.propose(command)
+        if isinstance(result, EtcdError) and not isinstance(result, LeaseNotFound):
+            raise result
+        log.debug("lease expired lease=%x", lease_id)
 
     async def stop(self, grace: float = SHUTDOWN_GRACE_SECONDS) -> None:
         """Stop serving; in-flight calls get `grace` seconds; the log is flushed."""

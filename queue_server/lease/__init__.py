@@ -1,0 +1,1 @@
+"""Leases: the replicated lease table (lessor.py) and the leader's expiry clock (expiry.py)."""
