@@ -19,10 +19,12 @@ from typing import Any
 
 from grpc import aio
 
-from etcdserverpb import internal_pb2, rpc_pb2_grpc
+from etcdserverpb import internal_pb2, rpc_pb2_grpc, v3election_pb2_grpc, v3lock_pb2_grpc
+from queue_server.api.election import ElectionService
 from queue_server.api.header import HeaderFiller
 from queue_server.api.kv import KVService
 from queue_server.api.lease import LeaseService
+from queue_server.api.lock import LockService
 from queue_server.api.maintenance import ClusterService, MaintenanceService, MemberInfo
 from queue_server.api.watch import WatchService, run_progress_notifier
 from queue_server.apply import StateMachine
@@ -30,6 +32,7 @@ from queue_server.compactor import CompactionPlanner, parse_retention, run_compa
 from queue_server.config import GRPC_OVERHEAD_BYTES, Config
 from queue_server.errors import EtcdError, LeaseNotFound
 from queue_server.lease.expiry import ExpiryClock
+from queue_server.recipes.local_client import LocalClient
 from queue_server.storage.local_log import LocalLog
 from queue_server.watch.hub import WatchHub
 
@@ -169,6 +172,9 @@ class Server:
         rpc_pb2_grpc.add_LeaseServicer_to_server(
             LeaseService(self.state, self.log, self.expiry, header), server
         )
+        recipes = LocalClient(self.state, self.log, self.watch_hub)
+        v3lock_pb2_grpc.add_LockServicer_to_server(LockService(recipes, header), server)
+        v3election_pb2_grpc.add_ElectionServicer_to_server(ElectionService(recipes, header), server)
         for address in cfg.listen_addresses():
             try:
                 port = server.add_insecure_port(address)

@@ -1,0 +1,164 @@
+"""The v3electionpb.Election service: Campaign, Proclaim, Leader, Observe, Resign.
+
+As in etcd, an election is a prefix: each candidate holds `name/<lease hex>` with
+its lease, and the leader is the candidate whose key was created first. Campaign
+waits like a mutex (`queue_server.recipes.mutex`); Proclaim and Resign act only if
+the caller's key still has the create revision it won with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from grpc import aio
+
+from etcdserverpb import rpc_pb2, v3election_pb2, v3election_pb2_grpc
+from queue_server.api.errors import abort, abort_unknown
+from queue_server.api.header import HeaderFiller
+from queue_server.errors import EtcdError
+from queue_server.recipes.local_client import LocalClient
+from queue_server.recipes.mutex import SessionExpired, claim_and_wait, prefix_end
+
+Context = aio.ServicerContext[object, object]
+
+NOT_LEADER = "election: not leader"
+NO_LEADER = "election: no leader"
+MISSING_LEADER_KEY = '"leader" field must be provided'
+
+
+class ElectionService(v3election_pb2_grpc.ElectionServicer):
+    """Server-side elections over the node's own KV, leases and watches."""
+
+    def __init__(self, client: LocalClient, header: HeaderFiller) -> None:
+        self.client = client
+        self.header = header
+
+    def _first(self, name: bytes) -> rpc_pb2.RangeResponse:
+        prefix = name + b"/"
+        return self.client.range(
+            rpc_pb2.RangeRequest(
+                key=prefix,
+                range_end=prefix_end(prefix),
+                sort_target=rpc_pb2.RangeRequest.CREATE,
+                sort_order=rpc_pb2.RangeRequest.ASCEND,
+                limit=1,
+            )
+        )
+
+    async def Campaign(
+        self, request: v3election_pb2.CampaignRequest, context: Context
+    ) -> v3election_pb2.CampaignResponse:
+        key = request.name + b"/" + b"%x" % request.lease
+        try:
+            rev, header = await claim_and_wait(
+                self.client, request.name + b"/", key, request.lease, request.value
+            )
+            current = self.client.range(rpc_pb2.RangeRequest(key=key)).kvs
+            if current and current[0].value != request.value:
+                # an existing candidate key with another value: proclaim ours
+                header = (await self._proclaim(key, rev, request.lease, request.value)).header
+        except EtcdError as e:
+            await abort(context, e)
+        except SessionExpired as e:
+            await abort_unknown(context, str(e))
+        resp = v3election_pb2.CampaignResponse()
+        resp.header.CopyFrom(header)
+        self.header.fill(resp.header)
+        resp.leader.name = request.name
+        resp.leader.key = key
+        resp.leader.rev = rev
+        resp.leader.lease = request.lease
+        return resp
+
+    async def _proclaim(
+        self, key: bytes, rev: int, lease: int, value: bytes
+    ) -> rpc_pb2.TxnResponse:
+        cmp = rpc_pb2.Compare(
+            key=key,
+            target=rpc_pb2.Compare.CREATE,
+            result=rpc_pb2.Compare.EQUAL,
+            create_revision=rev,
+        )
+        put = rpc_pb2.RequestOp(request_put=rpc_pb2.PutRequest(key=key, value=value, lease=lease))
+        return await self.client.txn(rpc_pb2.TxnRequest(compare=[cmp], success=[put]))
+
+    async def Proclaim(
+        self, request: v3election_pb2.ProclaimRequest, context: Context
+    ) -> v3election_pb2.ProclaimResponse:
+        if not request.HasField("leader"):
+            await abort_unknown(context, MISSING_LEADER_KEY)
+        leader = request.leader
+        try:
+            resp = await self._proclaim(leader.key, leader.rev, leader.lease, request.value)
+        except EtcdError as e:
+            await abort(context, e)
+        if not resp.succeeded:
+            await abort_unknown(context, NOT_LEADER)
+        out = v3election_pb2.ProclaimResponse()
+        out.header.CopyFrom(resp.header)
+        self.header.fill(out.header)
+        return out
+
+    async def Resign(
+        self, request: v3election_pb2.ResignRequest, context: Context
+    ) -> v3election_pb2.ResignResponse:
+        if not request.HasField("leader"):
+            await abort_unknown(context, MISSING_LEADER_KEY)
+        leader = request.leader
+        cmp = rpc_pb2.Compare(
+            key=leader.key,
+            target=rpc_pb2.Compare.CREATE,
+            result=rpc_pb2.Compare.EQUAL,
+            create_revision=leader.rev,
+        )
+        delete = rpc_pb2.RequestOp(request_delete_range=rpc_pb2.DeleteRangeRequest(key=leader.key))
+        try:
+            resp = await self.client.txn(rpc_pb2.TxnRequest(compare=[cmp], success=[delete]))
+        except EtcdError as e:
+            await abort(context, e)
+        out = v3election_pb2.ResignResponse()
+        out.header.CopyFrom(resp.header)
+        self.header.fill(out.header)
+        return out
+
+    async def Leader(
+        self, request: v3election_pb2.LeaderRequest, context: Context
+    ) -> v3election_pb2.LeaderResponse:
+        first = self._first(request.name)
+        if not first.kvs:
+            await abort_unknown(context, NO_LEADER)
+        resp = v3election_pb2.LeaderResponse()
+        resp.header.CopyFrom(first.header)
+        self.header.fill(resp.header)
+        resp.kv.CopyFrom(first.kvs[0])
+        return resp
+
+    async def Observe(
+        self, request: v3election_pb2.LeaderRequest, context: Context
+    ) -> AsyncIterator[v3election_pb2.LeaderResponse]:
+        """Stream the leader's key-value each time the leader or its value changes."""
+        hub = self.client.hub
+        wake = asyncio.Event()
+        stream = hub.open_stream(wake.set)
+        prefix = request.name + b"/"
+        try:
+            hub.create(stream, rpc_pb2.WatchCreateRequest(key=prefix, range_end=prefix_end(prefix)))
+            last: tuple[bytes, int] | None = None
+            while True:
+                first = self._first(request.name)
+                if first.kvs:
+                    kv = first.kvs[0]
+                    if (kv.key, kv.mod_revision) != last:
+                        last = (kv.key, kv.mod_revision)
+                        resp = v3election_pb2.LeaderResponse()
+                        resp.header.CopyFrom(first.header)
+                        self.header.fill(resp.header)
+                        resp.kv.CopyFrom(kv)
+                        yield resp
+                stream.outbox.clear()
+                stream.outbox_events = 0
+                wake.clear()
+                await wake.wait()
+        finally:
+            hub.close_stream(stream)
