@@ -156,8 +156,7 @@ class ElectionService(v3election_pb2_grpc.ElectionServicer):
                         self.header.fill(resp.header)
                         resp.kv.CopyFrom(kv)
                         yield resp
-                stream.outbox.clear()
-                stream.outbox_events = 0
+                stream.clear()
                 wake.clear()
                 await wake.wait()
         finally:

@@ -22,8 +22,9 @@ a gap or a duplicate between history and live events. A watcher whose
 `next_revision` has been compacted away is cancelled with `compact_revision` set,
 as etcd does.
 
-Memory is bounded per stream: at most `OUTBOX_MAX_EVENTS` events wait in an outbox;
-beyond that, watchers fall back to history instead of buffering.
+Memory is bounded per stream: at most `OUTBOX_MAX_EVENTS` events or
+`OUTBOX_MAX_BYTES` bytes wait in an outbox; beyond that, watchers fall back to
+history instead of buffering.
 """
 
 from __future__ import annotations
@@ -36,10 +37,15 @@ from etcdserverpb import kv_pb2, rpc_pb2
 from queue_server.mvcc.store import ALL_KEYS_END, Event, KeyValue, MVCCStore
 
 OUTBOX_MAX_EVENTS = 8192
-"""Events one stream may have waiting to be sent before its watchers fall back to
-catching up from history: bounds a slow reader's memory without slowing writers."""
+OUTBOX_MAX_BYTES = 4 * 1024 * 1024
+"""Events (and their key+value bytes) one stream may have waiting to be sent
+before its watchers fall back to catching up from history: bounds a slow reader's
+memory without slowing writers."""
 OUTBOX_RESUME_EVENTS = 1024
-"""A stream catches up from history once its outbox is below this."""
+OUTBOX_RESUME_BYTES = 512 * 1024
+"""A stream catches up from history once its outbox is below both of these."""
+EVENT_OVERHEAD_BYTES = 64
+"""Rough cost of one event besides its key and value, for outbox accounting."""
 CATCH_UP_REVISIONS = 1000
 """Revisions read from history per catch-up step (etcd's watchBatchMaxRevs)."""
 
@@ -84,28 +90,36 @@ class WatchStream:
 
     notify: Callable[[], None]
     watchers: dict[int, Watcher] = field(default_factory=dict)
-    outbox: deque[rpc_pb2.WatchResponse] = field(default_factory=deque)
+    outbox: deque[tuple[rpc_pb2.WatchResponse, int]] = field(default_factory=deque)
     outbox_events: int = 0
+    outbox_bytes: int = 0
     next_auto_id: int = 0
     progress_deferred: bool = False
 
-    def push(self, response: rpc_pb2.WatchResponse) -> None:
-        self.outbox.append(response)
+    def push(self, response: rpc_pb2.WatchResponse, size: int = 0) -> None:
+        """Queue a response; `size` is its payload bytes (keys and values)."""
+        self.outbox.append((response, size))
         self.outbox_events += len(response.events)
+        self.outbox_bytes += size
         self.notify()
 
     def pop(self) -> rpc_pb2.WatchResponse:
-        response = self.outbox.popleft()
+        response, size = self.outbox.popleft()
         self.outbox_events -= len(response.events)
+        self.outbox_bytes -= size
         return response
+
+    def clear(self) -> None:
+        self.outbox.clear()
+        self.outbox_events = self.outbox_bytes = 0
 
     @property
     def full(self) -> bool:
-        return self.outbox_events >= OUTBOX_MAX_EVENTS
+        return self.outbox_events >= OUTBOX_MAX_EVENTS or self.outbox_bytes >= OUTBOX_MAX_BYTES
 
     @property
     def has_room(self) -> bool:
-        return self.outbox_events < OUTBOX_RESUME_EVENTS
+        return self.outbox_events < OUTBOX_RESUME_EVENTS and self.outbox_bytes < OUTBOX_RESUME_BYTES
 
     def unsynced(self) -> list[Watcher]:
         return [w for w in self.watchers.values() if not w.synced]
@@ -151,7 +165,7 @@ class WatchHub:
         for watcher in list(stream.watchers.values()):
             self._remove(watcher)
         stream.watchers.clear()
-        stream.outbox.clear()
+        stream.clear()
         self.streams.discard(stream)
 
     def _header(self, response: rpc_pb2.WatchResponse, revision: int) -> None:
@@ -305,18 +319,22 @@ class WatchHub:
         self._header(response, revision)
         add = response.events.add
         want_prev = watcher.prev_kv
+        size = 0
         for e in events:
             pe = add()
             if e.is_delete:
                 pe.type = kv_pb2.Event.DELETE
             _fill_kv(pe.kv, e.kv)
+            size += len(e.kv.key) + len(e.kv.value) + EVENT_OVERHEAD_BYTES
             if want_prev and e.prev_kv is not None:
                 _fill_kv(pe.prev_kv, e.prev_kv)
+                size += len(e.prev_kv.key) + len(e.prev_kv.value)
         if watcher.fragment and len(response.events) > 1:
-            for part in self._fragments(response):
-                watcher.stream.push(part)
+            parts = self._fragments(response)
+            for part in parts:
+                watcher.stream.push(part, size // len(parts))
         else:
-            watcher.stream.push(response)
+            watcher.stream.push(response, size)
 
     def _fragments(self, response: rpc_pb2.WatchResponse) -> list[rpc_pb2.WatchResponse]:
         """Split a response over the size limit into fragments (etcd's
