@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from etcdserverpb import kv_pb2, rpc_pb2
-from queue_server.errors import KeyNotFound, LeaseNotFound
+from queue_server.errors import Compacted, FutureRevision, KeyNotFound, LeaseNotFound
 from queue_server.mvcc.store import ALL_KEYS_END, KeyValue, MVCCStore, WriteTxn
 
 RangeRequest = rpc_pb2.RangeRequest
@@ -238,8 +238,20 @@ class KVExecutor:
             self._check_put(op.request_put, lease_first=False)
 
     def _check_range_op(self, op: rpc_pb2.RequestOp) -> None:
-        if op.WhichOneof("request") == "request_range" and op.request_range.revision:
-            self.store.check_revision(op.request_range.revision)
+        """etcd's checkRequestRange, which is stricter than a plain Range: any
+        revision below the first one kept is refused, negative ones included (a
+        plain Range reads a negative revision as "now"). Before any compaction
+        the store's compact_revision is -1 (etcd's), so only -1 passes among the
+        negatives."""
+        if op.WhichOneof("request") != "request_range":
+            return
+        revision = op.request_range.revision
+        if revision == 0:
+            return
+        if revision > self.store.revision:
+            raise FutureRevision()
+        if revision < self.store.compact_revision:
+            raise Compacted()
 
     def _run_branch(
         self,
@@ -264,6 +276,9 @@ class KVExecutor:
             elif kind == "request_delete_range":
                 out.response_delete_range.CopyFrom(self._delete_range(op.request_delete_range, txn))
             elif kind == "request_txn":
+                # etcd gives every nested TxnResponse an empty header (its
+                # newTxnResp); Go clients read .Header without a nil check.
+                out.response_txn.header.SetInParent()
                 pos = self._run_branch(op.request_txn, path, pos, txn, out.response_txn)
         return pos
 

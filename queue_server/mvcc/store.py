@@ -67,6 +67,10 @@ def position(revision: int, sub: int = _SUB_MASK) -> int:
     return (revision << SUB_BITS) | sub
 
 
+RECORD_OVERHEAD_BYTES = 64
+"""What one history entry costs besides its value, in the store's size estimate."""
+
+
 @dataclass(slots=True)
 class KeyHistory:
     """Every change of one key not yet compacted away, oldest first.
@@ -86,15 +90,20 @@ class KeyHistory:
         i = bisect_right(self.positions, bound)
         return self.changes[i - 1] if i else None
 
-    def compact(self, revision: int) -> None:
-        """Drop the changes no read at `revision` or later can see."""
+    def compact(self, revision: int) -> int:
+        """Drop the changes no read at `revision` or later can see; returns the
+        bytes of values dropped (for the size estimate)."""
         i = bisect_right(self.positions, position(revision))
         if i == 0:
-            return
+            return 0
         keep_from = i - 1 if self.changes[i - 1] is not None else i
-        if keep_from:
-            del self.positions[:keep_from]
-            del self.changes[:keep_from]
+        if not keep_from:
+            return 0
+        dropped = sum(len(kv.value) for kv in self.changes[:keep_from] if kv is not None)
+        dropped += keep_from * RECORD_OVERHEAD_BYTES
+        del self.positions[:keep_from]
+        del self.changes[:keep_from]
+        return dropped
 
     def events_between(self, key: bytes, after: int, upto: int) -> list[tuple[int, Event]]:
         """(position, event) for each change made at a revision in (after, upto]."""
@@ -156,8 +165,13 @@ class MVCCStore:
         # something; the watch hub subscribes here.
         self.on_commit: Callable[[int, list[Event]], None] | None = None
         self.revision = 1
-        self.compact_revision = 0
+        # etcd's compactMainRev: -1 until the first compaction, so that
+        # Compact(0) succeeds once on a fresh store, as in etcd.
+        self.compact_revision = -1
         self._key_count = 0  # keys whose latest change is a put
+        # Estimated bytes held: values and keys of every change kept, plus a fixed
+        # cost per change. The quota (--quota-backend-bytes) is checked against it.
+        self.size_bytes = 0
 
     # -- reads ----------------------------------------------------------------
 
@@ -243,6 +257,8 @@ class MVCCStore:
         if history is None:
             history = KeyHistory()
             self._index[key] = history
+            self.size_bytes += len(key)
+        self.size_bytes += len(value) + RECORD_OVERHEAD_BYTES
         prev = history.changes[-1] if history.changes else None
         if prev is None:
             kv = KeyValue(key, revision, revision, 1, value, lease)
@@ -262,6 +278,7 @@ class MVCCStore:
             history.positions.append(position(revision, sub + len(events)))
             history.changes.append(None)
             self._key_count -= 1
+            self.size_bytes += RECORD_OVERHEAD_BYTES
             events.append(Event(True, KeyValue(k, 0, revision, 0, b"", 0), prev))
         return events
 
@@ -276,11 +293,12 @@ class MVCCStore:
         self.compact_revision = revision
         emptied: list[bytes] = []
         for key, history in self._index.items():
-            history.compact(revision)
+            self.size_bytes -= history.compact(revision)
             if not history.changes:
                 emptied.append(key)
         for key in emptied:
             del self._index[key]
+            self.size_bytes -= len(key)
 
     # -- snapshots ------------------------------------------------------------
 
@@ -322,6 +340,10 @@ class MVCCStore:
             )
             if history.changes[-1] is not None:
                 store._key_count += 1
+            store.size_bytes += len(key) + sum(
+                RECORD_OVERHEAD_BYTES + (len(kv.value) if kv is not None else 0)
+                for kv in history.changes
+            )
             items.append((key, history))
         store._index = SortedDict(items)
         return store

@@ -189,7 +189,7 @@ class Model:
     def __init__(self) -> None:
         self.changes: dict[bytes, list[tuple[int, bytes | None]]] = {}
         self.revision = 1
-        self.compacted = 0
+        self.compacted = -1
 
     def value_at(self, key: bytes, rev: int) -> tuple[bytes, int, int, int] | None:
         """(value, create_revision, mod_revision, version) at rev, or None."""

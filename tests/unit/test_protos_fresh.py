@@ -119,4 +119,6 @@ def test_internal_command_oneof() -> None:
         "delete_range": 2,
         "txn": 3,
         "compaction": 4,
+        "lease_grant": 5,
+        "lease_revoke": 6,
     }
