@@ -20,8 +20,9 @@ from typing import Any, Protocol
 from google.protobuf.message import Message
 
 from etcdserverpb import internal_pb2, rpc_pb2
-from queue_server.errors import EtcdError
-from queue_server.kv.executor import KVExecutor
+from queue_server.alarms import AlarmTable
+from queue_server.errors import EtcdError, NoSpace
+from queue_server.kv.executor import KVExecutor, is_read_only
 from queue_server.lease.lessor import Lessor
 from queue_server.mvcc.store import Event, MVCCStore
 
@@ -55,6 +56,7 @@ class StateMachine:
 
     def __init__(self) -> None:
         self.lessor = Lessor()
+        self.alarms = AlarmTable()
         self.commit_listener: Callable[[int, list[Event]], None] | None = None
         self._use_store(MVCCStore())
         self.applied_index = 0
@@ -79,6 +81,8 @@ class StateMachine:
         self.applied_index = index
         kind = command.WhichOneof("op")
         try:
+            if self.alarms.no_space and _needs_space(kind, command):
+                raise NoSpace()
             if kind == "put":
                 return self.kv.put(command.put)
             if kind == "delete_range":
@@ -91,6 +95,10 @@ class StateMachine:
                 return self._lease_grant(command.lease_grant)
             if kind == "lease_revoke":
                 return self._lease_revoke(command.lease_revoke)
+            if kind == "alarm":
+                resp = self.alarms.apply(command.alarm)
+                resp.header.revision = self.store.revision
+                return resp
         except EtcdError as e:
             return e
         raise AssertionError(f"unknown command {kind!r} at index {index}")
@@ -124,6 +132,7 @@ class StateMachine:
             "applied_index": self.applied_index,
             "mvcc": self.store.export_state(),
             "leases": self.lessor.export_state(),
+            "alarms": self.alarms.export_state(),
         }
 
     def restore_state(self, state: dict[str, Any]) -> None:
@@ -131,4 +140,12 @@ class StateMachine:
             raise RuntimeError(f"snapshot format {state.get('format')!r} is not {STATE_FORMAT}")
         self._use_store(MVCCStore.from_state(state["mvcc"]))
         self.lessor.restore_state(state["leases"], self.store)
+        self.alarms.restore_state(state["alarms"])
         self.applied_index = state["applied_index"]
+
+
+def _needs_space(kind: str | None, command: internal_pb2.Command) -> bool:
+    """What etcd's capped applier refuses under a NOSPACE alarm."""
+    if kind in ("put", "lease_grant"):
+        return True
+    return kind == "txn" and not is_read_only(command.txn)

@@ -2,6 +2,8 @@
 
 Exit status: 0 after a clean stop on SIGTERM/SIGINT; 1 when the server cannot start
 (bad flag value, busy port, unusable data dir), with the reason on stderr.
+`queue-server restore SNAPSHOT --data-dir DIR` makes a data dir from a snapshot
+(see `queue_server.restore`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from queue_server import restore
 from queue_server.config import ConfigError, parse_config
 from queue_server.server import Server, StartupError
 
@@ -49,8 +52,11 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["restore"]:
+        return restore.main(args[1:])
     try:
-        config = parse_config(argv)
+        config = parse_config(args)
     except (ConfigError, ValueError) as e:
         print(f"queue-server: {e}", file=sys.stderr)
         return 1

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from queue_server.compactor import parse_retention
+from queue_server.quota import DEFAULT_QUOTA_BYTES
 
 DEFAULT_MAX_REQUEST_BYTES = 1536 * 1024
 """etcd's default --max-request-bytes (1.5 MiB)."""
@@ -39,6 +40,7 @@ class Config:
     auto_compaction_mode: str
     auto_compaction_retention: str
     snapshot_count: int
+    quota_backend_bytes: int
     unsafe_no_fsync: bool
     log_level: str
     grpc_keepalive_min_time: float
@@ -135,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
         "revision count (revision); 0 turns auto-compaction off",
     )
     add(
+        "--quota-backend-bytes",
+        type=int,
+        default=0,
+        help="raise a NOSPACE alarm when the data exceeds this many bytes (0: 2 GiB)",
+    )
+    add(
         "--snapshot-count",
         type=int,
         default=100_000,
@@ -202,6 +210,9 @@ def parse_config(
         auto_compaction_mode=a.auto_compaction_mode,
         auto_compaction_retention=a.auto_compaction_retention,
         snapshot_count=a.snapshot_count,
+        quota_backend_bytes=a.quota_backend_bytes
+        if a.quota_backend_bytes > 0
+        else DEFAULT_QUOTA_BYTES,
         unsafe_no_fsync=bool(a.unsafe_no_fsync),
         log_level=a.log_level,
         grpc_keepalive_min_time=parse_duration(a.grpc_keepalive_min_time),

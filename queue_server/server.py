@@ -32,6 +32,7 @@ from queue_server.compactor import CompactionPlanner, parse_retention, run_compa
 from queue_server.config import GRPC_OVERHEAD_BYTES, Config
 from queue_server.errors import EtcdError, LeaseNotFound
 from queue_server.lease.expiry import ExpiryClock
+from queue_server.quota import QuotaGuard
 from queue_server.recipes.local_client import LocalClient
 from queue_server.storage.local_log import LocalLog
 from queue_server.watch.hub import WatchHub
@@ -155,13 +156,17 @@ class Server:
             member_id, cfg.name, cfg.initial_advertise_peer_urls, cfg.advertise_client_urls
         )
         server = aio.server(options=self._grpc_options())
+        writes = QuotaGuard(self.log, self.state, cfg.quota_backend_bytes, member_id)
         rpc_pb2_grpc.add_KVServicer_to_server(
-            KVService(self.state, self.log, header, cfg.max_txn_ops), server
+            KVService(self.state, writes, header, cfg.max_txn_ops), server
         )
-        log_ref = self.log
         rpc_pb2_grpc.add_MaintenanceServicer_to_server(
             MaintenanceService(
-                self.state, header, lambda: log_ref.last_index, lambda: _dir_size(cfg.data_dir)
+                self.state,
+                self.log,
+                header,
+                lambda: _dir_size(cfg.data_dir),
+                self.log.snapshot_now,
             ),
             server,
         )
@@ -170,9 +175,9 @@ class Server:
         self.state.commit_listener = self.watch_hub.on_commit
         rpc_pb2_grpc.add_WatchServicer_to_server(WatchService(self.watch_hub, header), server)
         rpc_pb2_grpc.add_LeaseServicer_to_server(
-            LeaseService(self.state, self.log, self.expiry, header), server
+            LeaseService(self.state, writes, self.expiry, header), server
         )
-        recipes = LocalClient(self.state, self.log, self.watch_hub)
+        recipes = LocalClient(self.state, writes, self.watch_hub)
         v3lock_pb2_grpc.add_LockServicer_to_server(LockService(recipes, header), server)
         v3election_pb2_grpc.add_ElectionServicer_to_server(ElectionService(recipes, header), server)
         for address in cfg.listen_addresses():

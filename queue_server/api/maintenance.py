@@ -1,19 +1,26 @@
-"""The etcdserverpb.Maintenance service (Status) and etcdserverpb.Cluster (MemberList).
+"""The etcdserverpb.Maintenance service and etcdserverpb.Cluster (MemberList).
 
-The rest of Maintenance (Alarm, Defragment, Hash, Snapshot, ...) arrives with the
-Watch/Lease issue; until then grpc answers UNIMPLEMENTED for those methods.
+Maintenance: Status, Alarm (GET is a local read; ACTIVATE/DEACTIVATE go through
+the log), Defragment (takes a snapshot and trims the log: our equivalent of
+giving space back), Hash/HashKV (a checksum of the kept history), Snapshot (a
+stream of our snapshot file, which `queue-server restore` turns into a data dir).
+MoveLeader and Downgrade answer UNIMPLEMENTED until there is a cluster.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from grpc import aio
 
-from etcdserverpb import rpc_pb2, rpc_pb2_grpc
+from etcdserverpb import internal_pb2, rpc_pb2, rpc_pb2_grpc
+from queue_server.api.errors import abort
 from queue_server.api.header import HeaderFiller
-from queue_server.apply import StateMachine
+from queue_server.apply import Proposer, StateMachine
+from queue_server.errors import EtcdError
+from queue_server.storage import snapshot
 
 Context = aio.ServicerContext[object, object]
 
@@ -31,36 +38,105 @@ class MemberInfo:
     client_urls: tuple[str, ...]
 
 
+SNAPSHOT_CHUNK_BYTES = 64 * 1024
+"""Bytes per Snapshot stream message (etcd sends 32 KiB; larger chunks cost fewer
+messages and stay far below any client's receive limit)."""
+
+
 class MaintenanceService(rpc_pb2_grpc.MaintenanceServicer):
-    """Status of this member: version, sizes, leader, raft index and term."""
+    """Status, alarms, hashes, snapshots and defragmentation of this member."""
 
     def __init__(
         self,
         state: StateMachine,
+        log: Proposer,
         header: HeaderFiller,
-        last_index: Callable[[], int],
         db_size: Callable[[], int],
+        compact_log: Callable[[], Awaitable[None]],
     ) -> None:
         self.state = state
+        self.log = log
         self.header = header
-        self.last_index = last_index
         self.db_size = db_size
+        self.compact_log = compact_log
 
     async def Status(
         self, request: rpc_pb2.StatusRequest, context: Context
     ) -> rpc_pb2.StatusResponse:
-        size = self.db_size()
         resp = rpc_pb2.StatusResponse(
             version=SERVER_VERSION,
-            dbSize=size,
-            dbSizeInUse=size,
+            dbSize=self.db_size(),
+            dbSizeInUse=self.state.store.size_bytes,
             leader=self.header.member_id,
-            raftIndex=self.last_index(),
+            raftIndex=self.log.last_index,
             raftTerm=self.header.raft_term,
             raftAppliedIndex=self.state.applied_index,
         )
+        for member_id, alarm in self.state.alarms.get():
+            # Go's text form of an AlarmMember, as etcd lists alarms in Status.errors
+            name = rpc_pb2.AlarmType.Name(alarm)
+            resp.errors.append(f"memberID:{member_id} alarm:{name} ")
         self.header.fill(resp.header)
         return resp
+
+    async def Alarm(self, request: rpc_pb2.AlarmRequest, context: Context) -> rpc_pb2.AlarmResponse:
+        if request.action == rpc_pb2.AlarmRequest.GET:
+            resp = self.state.alarms.apply(request)
+        else:
+            result = await self.log.propose(internal_pb2.Command(alarm=request))
+            if isinstance(result, EtcdError):
+                await abort(context, result)
+            assert isinstance(result, rpc_pb2.AlarmResponse)
+            resp = result
+        self.header.fill(resp.header)
+        return resp
+
+    async def Defragment(
+        self, request: rpc_pb2.DefragmentRequest, context: Context
+    ) -> rpc_pb2.DefragmentResponse:
+        await self.compact_log()
+        resp = rpc_pb2.DefragmentResponse()
+        self.header.fill(resp.header)
+        return resp
+
+    async def Hash(self, request: rpc_pb2.HashRequest, context: Context) -> rpc_pb2.HashResponse:
+        resp = rpc_pb2.HashResponse(hash=self.state.store.hash_kv())
+        self.header.fill(resp.header)
+        return resp
+
+    async def HashKV(
+        self, request: rpc_pb2.HashKVRequest, context: Context
+    ) -> rpc_pb2.HashKVResponse:
+        store = self.state.store
+        try:
+            value = store.hash_kv(request.revision)
+        except EtcdError as e:
+            await abort(context, e)
+        resp = rpc_pb2.HashKVResponse(hash=value, compact_revision=store.compact_revision)
+        self.header.fill(resp.header)
+        return resp
+
+    async def Snapshot(
+        self, request: rpc_pb2.SnapshotRequest, context: Context
+    ) -> AsyncIterator[rpc_pb2.SnapshotResponse]:
+        """The whole state as one snapshot file, streamed in chunks."""
+        index = self.state.applied_index
+        state = self.state.export_state()
+        loop = asyncio.get_running_loop()
+        data = await loop.run_in_executor(
+            None, lambda: snapshot.for_transfer(snapshot.encode(index, state))
+        )
+        view = memoryview(data)
+        total = len(data)
+        sent = 0
+        while True:
+            chunk = view[sent : sent + SNAPSHOT_CHUNK_BYTES]
+            sent += len(chunk)
+            resp = rpc_pb2.SnapshotResponse(remaining_bytes=total - sent, blob=bytes(chunk))
+            self.header.fill(resp.header)
+            yield resp
+            if sent >= total:
+                return
 
 
 class ClusterService(rpc_pb2_grpc.ClusterServicer):

@@ -34,6 +34,7 @@ with no history leaves the index. Reads below C fail with `Compacted`.
 
 from __future__ import annotations
 
+import zlib
 from bisect import bisect_right
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -299,6 +300,20 @@ class MVCCStore:
         for key in emptied:
             del self._index[key]
             self.size_bytes -= len(key)
+
+    def hash_kv(self, revision: int = 0) -> int:
+        """A checksum of every change kept at or below `revision` (0: now), for
+        comparing replicas (HashKV). Equal histories give equal hashes."""
+        bound = position(self.check_revision(revision))
+        h = zlib.crc32(b"")
+        for key, history in self._index.items():
+            for pos, kv in zip(history.positions, history.changes, strict=True):
+                if pos > bound:
+                    break
+                h = zlib.crc32(key, h)
+                h = zlib.crc32(pos.to_bytes(12, "big"), h)
+                h = zlib.crc32(b"\x00" if kv is None else b"\x01" + kv.value, h)
+        return h
 
     # -- snapshots ------------------------------------------------------------
 

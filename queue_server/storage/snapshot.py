@@ -14,6 +14,7 @@ Blocking; callers run it off the event loop.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import struct
@@ -59,12 +60,13 @@ class SnapshotStore:
 
     def save(self, index: int, state: Any) -> int:
         """Write a snapshot of `state` at `index` durably; returns its size in bytes."""
-        payload = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+        return self.save_encoded(index, encode(index, state))
+
+    def save_encoded(self, index: int, data: bytes) -> int:
+        """Write an already encoded snapshot (see `encode`) durably."""
         tmp = self._path(index) + ".tmp"
         with open(tmp, "wb") as f:
-            f.write(_MAGIC)
-            f.write(_HEADER.pack(index, zlib.crc32(payload), len(payload)))
-            f.write(payload)
+            f.write(data)
             f.flush()
             if self.fsync_enabled:
                 os.fsync(f.fileno())
@@ -73,7 +75,7 @@ class SnapshotStore:
             _fsync_dir(self.directory)
         for old in self.indexes()[:-KEEP_SNAPSHOTS]:
             os.remove(self._path(old))
-        return len(payload) + len(_MAGIC) + _HEADER.size
+        return len(data)
 
     def load_latest(self) -> tuple[int, Any] | None:
         """(index, state) of the newest snapshot, or None if there is none."""
@@ -86,13 +88,53 @@ class SnapshotStore:
         path = self._path(indexes[-1])
         with open(path, "rb") as f:
             data = f.read()
-        head = len(_MAGIC) + _HEADER.size
-        if len(data) < head or not data.startswith(_MAGIC):
-            raise CorruptSnapshotError(f"snapshot {path} has no valid header")
-        index, crc, length = _HEADER.unpack_from(data, len(_MAGIC))
-        payload = data[head:]
-        if len(payload) != length or zlib.crc32(payload) != crc:
-            raise CorruptSnapshotError(
-                f"snapshot {path} fails its checksum (expected {length} bytes, crc {crc:#x})"
-            )
-        return index, pickle.loads(payload)
+        return decode(data, path)
+
+
+def encode(index: int, state: Any) -> bytes:
+    """The snapshot file's bytes for `state` at applied index `index`."""
+    payload = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+    return _MAGIC + _HEADER.pack(index, zlib.crc32(payload), len(payload)) + payload
+
+
+def verify(data: bytes, name: str) -> int:
+    """Check a snapshot's header and checksum; returns its applied index."""
+    head = len(_MAGIC) + _HEADER.size
+    if len(data) < head or not data.startswith(_MAGIC):
+        raise CorruptSnapshotError(f"snapshot {name} has no valid header")
+    index, crc, length = _HEADER.unpack_from(data, len(_MAGIC))
+    payload = memoryview(data)[head : head + length]
+    if len(payload) != length or zlib.crc32(payload) != crc:
+        raise CorruptSnapshotError(
+            f"snapshot {name} fails its checksum (expected {length} bytes, crc {crc:#x})"
+        )
+    return int(index)
+
+
+def decode(data: bytes, name: str) -> tuple[int, Any]:
+    """(applied index, state) of a snapshot's bytes, after `verify`."""
+    index = verify(data, name)
+    return index, pickle.loads(memoryview(data)[len(_MAGIC) + _HEADER.size :])
+
+
+SECTOR_BYTES = 512
+SHA256_BYTES = 32
+
+
+def for_transfer(data: bytes) -> bytes:
+    """The snapshot as Maintenance.Snapshot streams it: padded to a multiple of
+    512 bytes, then its sha256. etcd's clients (etcdctl snapshot save) refuse a
+    stream whose length is not 32 past a multiple of 512 (`hasChecksum`), since
+    etcd streams a page-aligned db file followed by its sha256."""
+    padded = data + bytes(-len(data) % SECTOR_BYTES)
+    return padded + hashlib.sha256(padded).digest()
+
+
+def from_transfer(data: bytes, name: str) -> bytes:
+    """Undo `for_transfer` (checking the sha256); plain snapshot files pass through."""
+    if len(data) % SECTOR_BYTES == SHA256_BYTES:
+        body, digest = data[:-SHA256_BYTES], data[-SHA256_BYTES:]
+        if hashlib.sha256(body).digest() != digest:
+            raise CorruptSnapshotError(f"snapshot {name} fails its sha256 check")
+        return body
+    return data

@@ -121,4 +121,5 @@ def test_internal_command_oneof() -> None:
         "compaction": 4,
         "lease_grant": 5,
         "lease_revoke": 6,
+        "alarm": 7,
     }
