@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from etcdserverpb import rpc_pb2 as etcdserverpb_dot_rpc__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x65tcdserverpb/internal.proto\x12\x15queue_server.internal\x1a\x16\x65tcdserverpb/rpc.proto\"\xf1\x02\n\x07\x43ommand\x12\'\n\x03put\x18\x01 \x01(\x0b\x32\x18.etcdserverpb.PutRequestH\x00\x12\x38\n\x0c\x64\x65lete_range\x18\x02 \x01(\x0b\x32 .etcdserverpb.DeleteRangeRequestH\x00\x12\'\n\x03txn\x18\x03 \x01(\x0b\x32\x18.etcdserverpb.TxnRequestH\x00\x12\x35\n\ncompaction\x18\x04 \x01(\x0b\x32\x1f.etcdserverpb.CompactionRequestH\x00\x12\x36\n\x0blease_grant\x18\x05 \x01(\x0b\x32\x1f.etcdserverpb.LeaseGrantRequestH\x00\x12\x38\n\x0clease_revoke\x18\x06 \x01(\x0b\x32 .etcdserverpb.LeaseRevokeRequestH\x00\x12+\n\x05\x61larm\x18\x07 \x01(\x0b\x32\x1a.etcdserverpb.AlarmRequestH\x00\x42\x04\n\x02opb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x65tcdserverpb/internal.proto\x12\x15queue_server.internal\x1a\x16\x65tcdserverpb/rpc.proto\"\xaf\x03\n\x07\x43ommand\x12\'\n\x03put\x18\x01 \x01(\x0b\x32\x18.etcdserverpb.PutRequestH\x00\x12\x38\n\x0c\x64\x65lete_range\x18\x02 \x01(\x0b\x32 .etcdserverpb.DeleteRangeRequestH\x00\x12\'\n\x03txn\x18\x03 \x01(\x0b\x32\x18.etcdserverpb.TxnRequestH\x00\x12\x35\n\ncompaction\x18\x04 \x01(\x0b\x32\x1f.etcdserverpb.CompactionRequestH\x00\x12\x36\n\x0blease_grant\x18\x05 \x01(\x0b\x32\x1f.etcdserverpb.LeaseGrantRequestH\x00\x12\x38\n\x0clease_revoke\x18\x06 \x01(\x0b\x32 .etcdserverpb.LeaseRevokeRequestH\x00\x12+\n\x05\x61larm\x18\x07 \x01(\x0b\x32\x1a.etcdserverpb.AlarmRequestH\x00\x12<\n\rqueue_requeue\x18\x08 \x01(\x0b\x32#.queue_server.internal.QueueRequeueH\x00\x42\x04\n\x02op\"*\n\x0cQueueRequeue\x12\r\n\x05queue\x18\x01 \x01(\x0c\x12\x0b\n\x03idx\x18\x02 \x03(\x04\"-\n\x14QueueRequeueResponse\x12\x15\n\rdead_lettered\x18\x01 \x03(\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,5 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'etcdserverpb.internal_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_COMMAND']._serialized_start=79
-  _globals['_COMMAND']._serialized_end=448
+  _globals['_COMMAND']._serialized_end=510
+  _globals['_QUEUEREQUEUE']._serialized_start=512
+  _globals['_QUEUEREQUEUE']._serialized_end=554
+  _globals['_QUEUEREQUEUERESPONSE']._serialized_start=556
+  _globals['_QUEUEREQUEUERESPONSE']._serialized_end=601
 # @@protoc_insertion_point(module_scope)

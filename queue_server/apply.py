@@ -24,6 +24,7 @@ from queue_server.alarms import AlarmTable
 from queue_server.errors import EtcdError, NoSpace
 from queue_server.kv.executor import KVExecutor, is_read_only
 from queue_server.lease.lessor import Lessor
+from queue_server.mq.state import QueueState
 from queue_server.mvcc.store import Event, MVCCStore
 
 Command = internal_pb2.Command
@@ -57,6 +58,7 @@ class StateMachine:
     def __init__(self) -> None:
         self.lessor = Lessor()
         self.alarms = AlarmTable()
+        self.queues = QueueState()
         self.commit_listener: Callable[[int, list[Event]], None] | None = None
         self._use_store(MVCCStore())
         self.applied_index = 0
@@ -64,10 +66,13 @@ class StateMachine:
     def _use_store(self, store: MVCCStore) -> None:
         self.store = store
         store.on_commit = self._on_commit
-        self.kv = KVExecutor(store, self.lessor.exists)
+        self.kv = KVExecutor(
+            store, self.lessor.exists, self.queues.check_put, self.queues.rewrite_put
+        )
 
     def _on_commit(self, revision: int, events: list[Event]) -> None:
         self.lessor.follow(revision, events)
+        self.queues.follow(revision, events)
         if self.commit_listener is not None:
             self.commit_listener(revision, events)
 
@@ -95,6 +100,10 @@ class StateMachine:
                 return self._lease_grant(command.lease_grant)
             if kind == "lease_revoke":
                 return self._lease_revoke(command.lease_revoke)
+            if kind == "queue_requeue":
+                r = command.queue_requeue
+                dead = self.queues.requeue(self.store, r.queue, list(r.idx))
+                return internal_pb2.QueueRequeueResponse(dead_lettered=dead)
             if kind == "alarm":
                 resp = self.alarms.apply(command.alarm)
                 resp.header.revision = self.store.revision
@@ -133,6 +142,7 @@ class StateMachine:
             "mvcc": self.store.export_state(),
             "leases": self.lessor.export_state(),
             "alarms": self.alarms.export_state(),
+            "queues": self.queues.export_state(),
         }
 
     def restore_state(self, state: dict[str, Any]) -> None:
@@ -141,6 +151,7 @@ class StateMachine:
         self._use_store(MVCCStore.from_state(state["mvcc"]))
         self.lessor.restore_state(state["leases"], self.store)
         self.alarms.restore_state(state["alarms"])
+        self.queues.restore_state(state["queues"], self.store)
         self.applied_index = state["applied_index"]
 
 

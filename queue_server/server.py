@@ -15,6 +15,8 @@ import hashlib
 import json
 import logging
 import os
+import time
+from collections.abc import Coroutine
 from typing import Any
 
 from grpc import aio
@@ -32,6 +34,8 @@ from queue_server.compactor import CompactionPlanner, parse_retention, run_compa
 from queue_server.config import GRPC_OVERHEAD_BYTES, Config
 from queue_server.errors import EtcdError, LeaseNotFound
 from queue_server.lease.expiry import ExpiryClock
+from queue_server.mq.dispatcher import Dispatcher
+from queue_server.mvcc.store import Event
 from queue_server.quota import QuotaGuard
 from queue_server.recipes.local_client import LocalClient
 from queue_server.storage.local_log import LocalLog
@@ -40,6 +44,9 @@ from queue_server.watch.hub import WatchHub
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_SECONDS = 5.0
+DISPATCHER_TICK_SECONDS = 0.5
+"""How often stuck consumers and ack deadlines are checked: half a second is fine
+against the 5 s stuck rule and second-granularity deadlines."""
 """How long in-flight calls may take to finish at shutdown before being cut."""
 
 
@@ -80,6 +87,7 @@ class Server:
         self._lock_fd = -1
         self._compactor: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
         self.expiry = ExpiryClock()
 
     # -- data directory -------------------------------------------------------
@@ -172,7 +180,18 @@ class Server:
         )
         rpc_pb2_grpc.add_ClusterServicer_to_server(ClusterService(member, header), server)
         self.watch_hub = WatchHub(lambda: self.state.store, cfg.max_request_bytes)
-        self.state.commit_listener = self.watch_hub.on_commit
+        self.dispatcher = Dispatcher(
+            lambda: self.state.store, self.state.queues, cfg.name, self.log.propose, self._spawn
+        )
+        self.dispatcher.rebuild()
+        self.watch_hub.queue_consumers = self.dispatcher
+        hub_on_commit, dispatcher_on_commit = self.watch_hub.on_commit, self.dispatcher.on_commit
+
+        def on_commit(revision: int, events: list[Event]) -> None:
+            hub_on_commit(revision, events)
+            dispatcher_on_commit(revision, events)
+
+        self.state.commit_listener = on_commit
         rpc_pb2_grpc.add_WatchServicer_to_server(WatchService(self.watch_hub, header), server)
         rpc_pb2_grpc.add_LeaseServicer_to_server(
             LeaseService(self.state, writes, self.expiry, header), server
@@ -200,6 +219,7 @@ class Server:
             )
         )
         self._tasks.append(loop.create_task(self.expiry.run(self._revoke_expired)))
+        self._tasks.append(loop.create_task(self._tick_dispatcher()))
         log.info(
             "ready to serve client requests name=%s listen=%s data_dir=%s revision=%d term=%d",
             cfg.name,
@@ -251,6 +271,17 @@ class Server:
         self._compactor = asyncio.get_running_loop().create_task(
             run_compactor(planner, lambda: self.state.store.revision, compact)
         )
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run a background proposal, keeping a reference until it ends."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _tick_dispatcher(self) -> None:
+        while True:
+            await asyncio.sleep(DISPATCHER_TICK_SECONDS)
+            self.dispatcher.tick(time.monotonic())
 
     async def _revoke_expired(self, lease_id: int) -> None:
         assert self.log is not None

@@ -69,13 +69,19 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
         reader: asyncio.Task[None],
         context: Context,
     ) -> None:
-        fill = self.header.fill
+        ids = self.header
         while True:
             while stream.outbox:
                 response = stream.pop()
-                fill(response.header)
+                # The hub sets each response's revision (etcd's newResponseHeader:
+                # a compaction cancel has none); only the member's identity is
+                # added here, never the current revision.
+                header = response.header
+                header.cluster_id = ids.cluster_id
+                header.member_id = ids.member_id
+                header.raft_term = ids.raft_term
                 await context.write(response)
-            if stream.has_room and any(not w.synced for w in stream.watchers.values()):
+            if stream.has_room and stream.unsynced():
                 self.hub.catch_up(stream)
                 if stream.outbox:
                     continue

@@ -58,13 +58,35 @@ def _no_leases(lease_id: int) -> bool:
     return False
 
 
-class KVExecutor:
-    """Runs KV requests against one store. `lease_exists` answers whether a lease
-    id may be attached to a key (the lease module supplies it)."""
+def _any_put(key: bytes, value: bytes) -> None:
+    return None
 
-    def __init__(self, store: MVCCStore, lease_exists: LeaseExists = _no_leases) -> None:
+
+def _same_key(key: bytes) -> bytes:
+    return key
+
+
+class KVExecutor:
+    """Runs KV requests against one store.
+
+    Hooks let other parts of the state machine take part without the executor
+    knowing them: `lease_exists` answers whether a lease id may be attached to a
+    key; `check_put(key, value)` may refuse a put before anything changes, and
+    `rewrite_put(key)` names the key a put really writes (the queue module turns
+    a producer key into a message key this way).
+    """
+
+    def __init__(
+        self,
+        store: MVCCStore,
+        lease_exists: LeaseExists = _no_leases,
+        check_put: Callable[[bytes, bytes], None] = _any_put,
+        rewrite_put: Callable[[bytes], bytes] = _same_key,
+    ) -> None:
         self.store = store
         self.lease_exists = lease_exists
+        self.check_put_hook = check_put
+        self.rewrite_put = rewrite_put
 
     # -- Range ----------------------------------------------------------------
 
@@ -127,6 +149,7 @@ class KVExecutor:
             raise KeyNotFound()
         if not lease_first and r.lease and not self.lease_exists(r.lease):
             raise LeaseNotFound()
+        self.check_put_hook(r.key, r.value)
 
     def put(self, r: rpc_pb2.PutRequest, txn: WriteTxn | None = None) -> rpc_pb2.PutResponse:
         if txn is None:
@@ -137,16 +160,17 @@ class KVExecutor:
 
     def _put(self, r: rpc_pb2.PutRequest, txn: WriteTxn) -> rpc_pb2.PutResponse:
         value, lease = r.value, r.lease
+        key = self.rewrite_put(r.key)
         prev: KeyValue | None = None
         if r.ignore_value or r.ignore_lease or r.prev_kv:
-            found = txn.range(r.key, None).kvs
+            found = txn.range(key, None).kvs
             prev = found[0] if found else None
         if prev is not None:
             if r.ignore_value:
                 value = prev.value
             if r.ignore_lease:
                 lease = prev.lease
-        txn.put(r.key, value, lease)
+        txn.put(key, value, lease)
         resp = rpc_pb2.PutResponse()
         resp.header.revision = txn.revision
         if r.prev_kv and prev is not None:

@@ -10,6 +10,8 @@ A watcher is *synced* when it has received every event up to the store's revisio
 it sits in the fan-out index (`_by_key` for single keys, `_ranges` for ranges), and
 each applied write transaction's events go straight into its stream's outbox, one
 response per watcher per transaction (so the events of one Txn arrive together).
+A watcher created with a start revision ahead of the store is synced too, and
+skips the transactions before its `next_revision` (etcd's minRev).
 
 A watcher is *unsynced* when it must first receive older events: it was created
 with a past `start_revision`, or its stream's outbox was full when events came
@@ -32,9 +34,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from etcdserverpb import kv_pb2, rpc_pb2
+from queue_server.mq.keys import LONG, SHORT, QueueKey
+from queue_server.mq.keys import parse as parse_queue_key
 from queue_server.mvcc.store import ALL_KEYS_END, Event, KeyValue, MVCCStore
+
+QUEUE_PREFIXES = (SHORT, LONG)
 
 OUTBOX_MAX_EVENTS = 8192
 OUTBOX_MAX_BYTES = 4 * 1024 * 1024
@@ -71,6 +78,7 @@ class Watcher:
     fragment: bool = False
     synced: bool = False
     quiet_since_progress: bool = True
+    consumer: bool = False  # a queue consumer: gets deliveries, not events
 
     def covers(self, key: bytes) -> bool:
         if self.end is None:
@@ -122,7 +130,7 @@ class WatchStream:
         return self.outbox_events < OUTBOX_RESUME_EVENTS and self.outbox_bytes < OUTBOX_RESUME_BYTES
 
     def unsynced(self) -> list[Watcher]:
-        return [w for w in self.watchers.values() if not w.synced]
+        return [w for w in self.watchers.values() if not w.synced and not w.consumer]
 
 
 def _fill_kv(dst: kv_pb2.KeyValue, kv: KeyValue) -> None:
@@ -138,8 +146,20 @@ def _fill_kv(dst: kv_pb2.KeyValue, kv: KeyValue) -> None:
         dst.lease = kv.lease
 
 
+class QueueConsumers(Protocol):
+    """Where watches on queue consumer keys go (the queue dispatcher)."""
+
+    def register(self, watcher: Watcher, qk: QueueKey) -> None: ...
+
+    def unregister(self, watcher: Watcher) -> None: ...
+
+
 class WatchHub:
-    """All watchers of one node, fed by the store's committed transactions."""
+    """All watchers of one node, fed by the store's committed transactions.
+
+    A watch on the exact key `/q/{name}/c/{uuid}` is a queue consumer: it is
+    handed to `queue_consumers` and receives deliveries instead of key events.
+    """
 
     def __init__(self, store_of: Callable[[], MVCCStore], max_response_bytes: int) -> None:
         self._store_of = store_of
@@ -147,6 +167,7 @@ class WatchHub:
         self._by_key: dict[bytes, set[Watcher]] = {}
         self._ranges: set[Watcher] = set()
         self.streams: set[WatchStream] = set()
+        self.queue_consumers: QueueConsumers | None = None
 
     @property
     def store(self) -> MVCCStore:
@@ -164,6 +185,8 @@ class WatchHub:
     def close_stream(self, stream: WatchStream) -> None:
         for watcher in list(stream.watchers.values()):
             self._remove(watcher)
+            if watcher.consumer and self.queue_consumers is not None:
+                self.queue_consumers.unregister(watcher)
         stream.watchers.clear()
         stream.clear()
         self.streams.discard(stream)
@@ -218,6 +241,12 @@ class WatchHub:
         stream.watchers[watch_id] = watcher
         response.watch_id = watch_id
         stream.push(response)
+        if end is None and self.queue_consumers is not None and key.startswith(QUEUE_PREFIXES):
+            qk = parse_queue_key(key)
+            if qk is not None and qk.kind == "consume":
+                watcher.consumer = True
+                self.queue_consumers.register(watcher, qk)
+                return
         if watcher.next_revision > current:
             self._sync(watcher)
         # else: unsynced; the stream's sender calls catch_up when it has room
@@ -227,6 +256,8 @@ class WatchHub:
         if watcher is None:
             return  # etcd answers nothing for an unknown id
         self._remove(watcher)
+        if watcher.consumer and self.queue_consumers is not None:
+            self.queue_consumers.unregister(watcher)
         response = rpc_pb2.WatchResponse(watch_id=watch_id, canceled=True)
         self._header(response, self.store.revision)
         stream.push(response)
@@ -234,7 +265,7 @@ class WatchHub:
     def request_progress(self, stream: WatchStream) -> None:
         """A WatchProgressRequest: answer now if every watcher is synced, else as
         soon as they are."""
-        if all(w.synced for w in stream.watchers.values()):
+        if not stream.unsynced():
             self._push_progress(stream)
         else:
             stream.progress_deferred = True
@@ -308,6 +339,8 @@ class WatchHub:
                     if w.covers(key) and w.wants(event):
                         targets.setdefault(w, []).append(event)
         for watcher, evs in targets.items():
+            if revision < watcher.next_revision:
+                continue  # created with a start revision still ahead
             if watcher.stream.full:
                 self._unsync(watcher, revision)
                 continue
@@ -363,12 +396,13 @@ class WatchHub:
                 return
             if watcher.next_revision < store.compact_revision:
                 stream.watchers.pop(watcher.watch_id, None)
+                # etcd sends this one with no header revision (its mvcc layer
+                # leaves WatchResponse.Revision unset for it)
                 response = rpc_pb2.WatchResponse(
                     watch_id=watcher.watch_id,
                     canceled=True,
                     compact_revision=store.compact_revision,
                 )
-                self._header(response, store.revision)
                 stream.push(response)
                 continue
             while stream.has_room and not watcher.synced:
@@ -384,5 +418,5 @@ class WatchHub:
                 watcher.next_revision = upto + 1
                 if upto >= store.revision:
                     self._sync(watcher)
-        if stream.progress_deferred and all(w.synced for w in stream.watchers.values()):
+        if stream.progress_deferred and not stream.unsynced():
             self._push_progress(stream)

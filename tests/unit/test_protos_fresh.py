@@ -122,4 +122,5 @@ def test_internal_command_oneof() -> None:
         "lease_grant": 5,
         "lease_revoke": 6,
         "alarm": 7,
+        "queue_requeue": 8,
     }
