@@ -28,7 +28,9 @@ async def main(endpoint: str, prefix: str, count: int) -> None:
                 next_i += 1
                 key = f"{prefix}{i:06d}"
                 try:
-                    resp = await kv.Put(rpc_pb2.PutRequest(key=key.encode(), value=b"v" * 100), timeout=10)
+                    resp = await kv.Put(
+                        rpc_pb2.PutRequest(key=key.encode(), value=b"v" * 100), timeout=10
+                    )
                 except grpc.RpcError:
                     stop = True
                     return

@@ -39,7 +39,13 @@ def test_acknowledged_puts_survive_sigkill(tmp_path: Path) -> None:
             server.start()
             kill_after = rng.randrange(50, PUTS_PER_ROUND - 200)
             writer = subprocess.Popen(
-                [sys.executable, str(WRITER), server.endpoint, f"r{round_no}/", str(PUTS_PER_ROUND)],
+                [
+                    sys.executable,
+                    str(WRITER),
+                    server.endpoint,
+                    f"r{round_no}/",
+                    str(PUTS_PER_ROUND),
+                ],
                 stdout=subprocess.PIPE,
                 text=True,
                 cwd=REPO,
@@ -67,7 +73,9 @@ def test_acknowledged_puts_survive_sigkill(tmp_path: Path) -> None:
             resp = kv.Range(rpc_pb2.RangeRequest(key=b"r", range_end=b"s"), timeout=30)
         found = {kv.key.decode(): kv.mod_revision for kv in resp.kvs}
         missing = {k: r for k, r in acknowledged.items() if found.get(k) != r}
-        assert not missing, f"{len(missing)} acknowledged puts lost or changed (seed {seed}): {list(missing.items())[:5]}"
+        assert not missing, (
+            f"{len(missing)} acknowledged puts lost or changed (seed {seed}): {list(missing.items())[:5]}"
+        )
         # revisions are dense: one per put that reached the log, none reused
         assert len(set(found.values())) == len(found)
         assert resp.header.revision == len(found) + 1

@@ -20,7 +20,11 @@ pytestmark = pytest.mark.integration
 
 
 def grant(channel: grpc.Channel, ttl: int = 30) -> int:
-    return int(rpc_pb2_grpc.LeaseStub(channel).LeaseGrant(rpc_pb2.LeaseGrantRequest(TTL=ttl), timeout=10).ID)
+    return int(
+        rpc_pb2_grpc.LeaseStub(channel)
+        .LeaseGrant(rpc_pb2.LeaseGrantRequest(TTL=ttl), timeout=10)
+        .ID
+    )
 
 
 def test_lock_is_exclusive_and_handed_over_on_unlock(channel: grpc.Channel) -> None:
@@ -30,7 +34,9 @@ def test_lock_is_exclusive_and_handed_over_on_unlock(channel: grpc.Channel) -> N
     assert first.key == b"mtx/%x" % l1
     got: list[v3lock_pb2.LockResponse] = []
     waiter = threading.Thread(
-        target=lambda: got.append(lock.Lock(v3lock_pb2.LockRequest(name=b"mtx", lease=l2), timeout=20))
+        target=lambda: got.append(
+            lock.Lock(v3lock_pb2.LockRequest(name=b"mtx", lease=l2), timeout=20)
+        )
     )
     waiter.start()
     # the second Lock cannot finish while the first is held
@@ -54,7 +60,9 @@ def test_lock_is_released_when_the_holders_lease_is_revoked(channel: grpc.Channe
 
 def test_lock_with_unknown_lease_fails_like_etcd(channel: grpc.Channel) -> None:
     with pytest.raises(grpc.RpcError) as err:
-        v3lock_pb2_grpc.LockStub(channel).Lock(v3lock_pb2.LockRequest(name=b"x", lease=424242), timeout=10)
+        v3lock_pb2_grpc.LockStub(channel).Lock(
+            v3lock_pb2.LockRequest(name=b"x", lease=424242), timeout=10
+        )
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert err.value.details() == "etcdserver: requested lease not found"
 
@@ -71,7 +79,9 @@ def test_election_campaign_leader_proclaim_observe_resign(channel: grpc.Channel)
     observed = el.Observe(v3election_pb2.LeaderRequest(name=b"el"), timeout=20)
     assert next(observed).kv.value == b"a"
 
-    second = el.Campaign.future(v3election_pb2.CampaignRequest(name=b"el", lease=l2, value=b"b"), timeout=20)
+    second = el.Campaign.future(
+        v3election_pb2.CampaignRequest(name=b"el", lease=l2, value=b"b"), timeout=20
+    )
     el.Proclaim(v3election_pb2.ProclaimRequest(leader=won.leader, value=b"a2"), timeout=10)
     assert next(observed).kv.value == b"a2"
     assert el.Leader(v3election_pb2.LeaderRequest(name=b"el"), timeout=10).kv.value == b"a2"

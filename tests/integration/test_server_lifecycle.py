@@ -63,7 +63,9 @@ def test_busy_port_fails_with_a_clear_message(tmp_path: Path, server: ServerProc
 
 def test_data_dir_in_use_fails(server: ServerProcess) -> None:
     port = free_port()
-    r = run_cli(["--data-dir", str(server.data_dir), "--listen-client-urls", f"http://127.0.0.1:{port}"])
+    r = run_cli(
+        ["--data-dir", str(server.data_dir), "--listen-client-urls", f"http://127.0.0.1:{port}"]
+    )
     assert r.returncode == 1
     assert "is in use by another process" in r.stderr
 
@@ -72,7 +74,9 @@ def test_unusable_data_dir_fails(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     port = free_port()
-    r = run_cli(["--data-dir", str(blocker / "d"), "--listen-client-urls", f"http://127.0.0.1:{port}"])
+    r = run_cli(
+        ["--data-dir", str(blocker / "d"), "--listen-client-urls", f"http://127.0.0.1:{port}"]
+    )
     assert r.returncode == 1
     assert "cannot use data dir" in r.stderr
 
@@ -93,16 +97,23 @@ def test_etcd_environment_variables_configure_the_server(tmp_path: Path) -> None
         "ETCD_MAX_REQUEST_BYTES": "1000",
     }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "queue_server.cli"], cwd=REPO_ROOT, env=env, stderr=subprocess.DEVNULL
+        [sys.executable, "-m", "queue_server.cli"],
+        cwd=REPO_ROOT,
+        env=env,
+        stderr=subprocess.DEVNULL,
     )
     try:
         endpoint = f"127.0.0.1:{port}"
         wait_ready(endpoint, proc)
         with grpc.insecure_channel(endpoint) as ch:
-            members = rpc_pb2_grpc.ClusterStub(ch).MemberList(rpc_pb2.MemberListRequest(), timeout=10)
+            members = rpc_pb2_grpc.ClusterStub(ch).MemberList(
+                rpc_pb2.MemberListRequest(), timeout=10
+            )
             assert [m.name for m in members.members] == ["envnode"]
             with pytest.raises(grpc.RpcError) as err:
-                rpc_pb2_grpc.KVStub(ch).Put(rpc_pb2.PutRequest(key=b"k", value=b"x" * 2000), timeout=10)
+                rpc_pb2_grpc.KVStub(ch).Put(
+                    rpc_pb2.PutRequest(key=b"k", value=b"x" * 2000), timeout=10
+                )
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert err.value.details() == "etcdserver: request is too large"
         assert (tmp_path / "env.etcd" / "wal").is_dir()

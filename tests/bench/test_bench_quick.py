@@ -1,0 +1,129 @@
+"""The benchmark harness end to end in quick mode (no speed assertions).
+
+`python -m benchmarks --quick --suite put,range` must finish, exit 0 and leave JSON
+rows for both servers (etcd's null where etcd is not installed) and PNG charts.
+A stand-in server that serves only Status proves that an UNIMPLEMENTED feature is
+recorded as null with the note "not implemented" instead of failing the run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import runner as runner_module
+from benchmarks.results import Unavailable
+from benchmarks.runner import Progress, Runner, RunOptions
+from benchmarks.servers import BenchServer
+from benchmarks.workloads import Budget
+
+pytestmark = pytest.mark.bench
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 240
+METRICS = ("ops_s", "p50_ms", "p99_ms", "p999_ms", "cpu_s", "rss_mb", "client_cpu_s")
+
+
+def run_harness(args: list[str]) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks", *args],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        # SIGTERM lets the harness stop the servers it started before it exits.
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        pytest.fail(f"harness did not finish in {TIMEOUT}s\n{err[-4000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_quick_put_and_range(tmp_path: Path) -> None:
+    out_dir = tmp_path / "out"
+    json_path = tmp_path / "results.json"
+    done = run_harness(
+        ["--quick", "--suite", "put,range", "--json", str(json_path), "--out-dir", str(out_dir)]
+    )
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-6000:]}"
+
+    doc = json.loads(json_path.read_text())
+    assert doc["mode"] == "quick"
+    for key in ("cpu_model", "cores", "memory_gb", "python", "os", "etcd_version"):
+        assert key in doc["machine"]
+    rows = doc["rows"]
+    assert {r["suite"] for r in rows} == {"put", "range"}
+    assert sum(r["suite"] == "put" for r in rows) == 4
+    assert sum(r["suite"] == "range" for r in rows) == 2
+
+    etcd_installed = shutil.which("etcd") is not None
+    for row in rows:
+        ours = row["ours"]
+        assert ours is not None, row
+        assert all(k in ours for k in METRICS)
+        assert ours["ops_s"] > 0
+        assert ours["p99_ms"] > 0
+        if etcd_installed:
+            assert row["etcd"] is not None, row
+            assert row["etcd"]["ops_s"] > 0
+            assert row["ratio_ops"] == pytest.approx(ours["ops_s"] / row["etcd"]["ops_s"], rel=0.01)
+        else:
+            assert row["etcd"] is None
+            assert row["ratio_ops"] is None
+
+    for suite in ("put", "range"):
+        png = out_dir / f"{suite}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out_dir / "results.json").read_text())["rows"] == rows
+    # One progress line per workload start and end, per server that ran it.
+    servers = 2 if etcd_installed else 1
+    assert len(re.findall(r"\| start$", done.stderr, re.MULTILINE)) == 6 * servers
+    assert len(re.findall(r"\| done in ", done.stderr)) == 6 * servers
+    assert "ours/etcd" in done.stdout
+
+
+class StatusOnlyServer(BenchServer):
+    """Stands in for our server: serves Maintenance.Status only."""
+
+    kind = "ours"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "tests.bench.status_only_server", "--port", str(self.port)]
+
+
+def test_unimplemented_features_are_null_not_failures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(runner_module, "OursServer", StatusOnlyServer)
+    options = RunOptions(
+        suites=["watch", "lease", "queue", "cqs"],
+        budget=Budget.quick_mode(),
+        out_dir=tmp_path,
+        client_procs=2,
+        etcd_binary=None,
+    )
+    rows = Runner(options, Progress()).run()
+    assert len(rows) == 3 + 2 + 4 + 1
+    for row in rows:
+        assert isinstance(row.ours, Unavailable), (row.workload, row.ours)
+        assert isinstance(row.etcd, Unavailable)
+        assert row.failures() == 0
+        doc = row.to_json()
+        assert doc["ours"] is None and doc["etcd"] is None and doc["ratio_ops"] is None
+        expected = "not available yet" if row.suite == "cqs" else "not implemented"
+        assert f"ours: {expected}" in doc["note"]
+    assert all("etcd: etcd not installed" in r.to_json()["note"] for r in rows[:-1])
