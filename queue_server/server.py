@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import gc
 import hashlib
 import json
 import logging
@@ -211,6 +212,9 @@ class Server:
             self.bound_ports.append(port)
         await server.start()
         self.grpc_server = server
+        # What recovery loaded lives as long as the process: keep the collector
+        # from scanning it again and again.
+        gc.freeze()
         self._start_compactor()
         loop = asyncio.get_running_loop()
         self._tasks.append(

@@ -57,7 +57,7 @@ MAX_BATCH = 4096
 class _Proposal:
     index: int
     command: internal_pb2.Command
-    payload: bytes
+    record: bytes  # the encoded WAL record
     future: asyncio.Future[ApplyResult]
 
 
@@ -134,7 +134,8 @@ class LocalLog:
         loop = asyncio.get_running_loop()
         self._next_index += 1
         future: asyncio.Future[ApplyResult] = loop.create_future()
-        self._pending.append(_Proposal(self._next_index, command, payload, future))
+        index = self._next_index
+        self._pending.append(_Proposal(index, command, self.wal.encode(index, payload), future))
         if self._flusher is None:
             self._flusher = loop.create_task(self._flush())
         return await future
@@ -146,9 +147,9 @@ class LocalLog:
             while self._pending:
                 batch = self._pending[:MAX_BATCH]
                 del self._pending[:MAX_BATCH]
-                records = [(p.index, p.payload) for p in batch]
+                data = b"".join([p.record for p in batch])
                 try:
-                    await loop.run_in_executor(self._writer, self.wal.append, records)
+                    await loop.run_in_executor(self._writer, self.wal.write, data, batch[-1].index)
                 except BaseException as e:
                     self._fail(e, batch)
                     return
