@@ -169,6 +169,32 @@ async def unimplemented_as(what: str, call: Any = None) -> AsyncIterator[None]:
         raise
 
 
+async def require_watch(channel: Any) -> None:
+    """Raise `Unimplemented` when the server has no Watch service.
+
+    Probes with a Watch stream that writes nothing: a server without Watch ends
+    it at once with UNIMPLEMENTED, a real one keeps it open. Probing this way
+    avoids racing many writes against that reply, which grpcio 1.85 can report
+    as INTERNAL instead of UNIMPLEMENTED."""
+    from etcdserverpb import rpc_pb2_grpc
+
+    call = rpc_pb2_grpc.WatchStub(channel).Watch()
+    try:
+        await asyncio.wait_for(call.read(), WATCH_PROBE_SECONDS)
+    except TimeoutError:
+        pass
+    except aio.AioRpcError as e:
+        check_unimplemented(e, "Watch")
+        raise
+    finally:
+        call.cancel()
+
+
+WATCH_PROBE_SECONDS = 0.3
+"""How long the Watch probe listens; a missing service answers within
+milliseconds on loopback."""
+
+
 def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
     first = group.exceptions[0]
     return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first

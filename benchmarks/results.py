@@ -38,6 +38,8 @@ class Measurement:
     concurrency: int
     extra: dict[str, float] = field(default_factory=dict)
     """Workload-specific counters (e.g. CAS conflicts)."""
+    note: str = ""
+    """What the workload has to say about this measurement (in the row's note)."""
 
     @property
     def ops_s(self) -> float:
@@ -108,6 +110,8 @@ class Row:
                 prefix = "failed: " if isinstance(outcome, Failed) else ""
                 parts.append(f"{name}: {prefix}{outcome.note}")
             else:
+                if outcome.note:
+                    parts.append(f"{name}: {outcome.note}")
                 if outcome.errors:
                     parts.append(f"{name}: {outcome.errors} errors")
                 behind = int(sum(outcome.extra.get(k, 0.0) for k in BEHIND_COUNTERS))

@@ -16,7 +16,7 @@ from typing import Any
 
 from grpc import aio
 
-from benchmarks.loadgen import STREAM_END, ClientRun, split, unimplemented_as
+from benchmarks.loadgen import STREAM_END, ClientRun, require_watch, split, unimplemented_as
 from benchmarks.results import Measurement, Outcome
 from benchmarks.workloads.base import RunContext, Workload
 from etcdserverpb import rpc_pb2, rpc_pb2_grpc
@@ -49,6 +49,7 @@ async def open_watch(
 
 async def watch_fanout_program(run: ClientRun) -> None:
     await run.connect()
+    await require_watch(run.channel(0))
     key: bytes = run.params["key"]
     watchers = int(run.params["watchers"])
     streams = max(1, min(int(run.params["streams"]), watchers)) if watchers else 0

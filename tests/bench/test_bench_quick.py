@@ -117,7 +117,7 @@ def test_unimplemented_features_are_null_not_failures(
         etcd_binary=None,
     )
     rows = Runner(options, Progress()).run()
-    assert len(rows) == 3 + 2 + 4 + 1
+    assert len(rows) == 3 + 2 + 5 + 1
     for row in rows:
         assert isinstance(row.ours, Unavailable), (row.workload, row.ours)
         assert isinstance(row.etcd, Unavailable)
