@@ -13,7 +13,7 @@ new message key is pending; a deleted one (an ack, a cancel, a lease expiry, a
 dead-lettering) leaves pending or the consumer holding it. Pending messages go out
 oldest first, round-robin over the queue's consumers, each holding at most
 `prefetch` unacknowledged messages; messages given to one consumer in one pass
-share one WatchResponse.
+share one WatchResponse (several when they are large: DELIVERY_RESPONSE_BYTES).
 
 A consumer that goes away (watch cancelled, stream closed, or a stream that has
 not taken a delivery for `STUCK_SECONDS`) gives its messages back: a
@@ -46,6 +46,15 @@ log = logging.getLogger(__name__)
 STUCK_SECONDS = 5.0
 """A consumer whose stream has not taken a waiting delivery for this long is
 dropped and its messages go to others (the seed's 5 s rule)."""
+
+DELIVERY_RESPONSE_BYTES = 2 * 1024 * 1024
+"""Bytes of keys and values one delivery WatchResponse may carry; more deliveries
+go in further responses. gRPC clients refuse messages over 4 MiB by default (the
+python etcd3 client, generated stubs; etcd's Go client accepts 2 GiB), and a
+response over that breaks the consumer's stream, which gives its messages back,
+and they come back in one response again. Half of 4 MiB leaves room for the
+framing; one message alone (at most --max-request-bytes, 1.5 MiB by default) is
+always sent."""
 
 Propose = Callable[[internal_pb2.Command], Awaitable[object]]
 Spawn = Callable[[Coroutine[Any, Any, None]], object]
@@ -106,13 +115,24 @@ class Dispatcher:
         return rt
 
     def rebuild(self) -> None:
-        """Every stored message is pending (after a start or a restore)."""
+        """Every stored message is pending (after a start or a restore).
+
+        Consumer registry keys that name this node but no consumer connected here
+        are left from before a restart (a crash runs no unregister): they are
+        deleted, so the registry lists live consumers only."""
         store = self._store_of()
+        live = {c.consumer_id for c in self.by_watcher.values()}
         for spelling in (keys.SHORT, keys.LONG):
             for kv in store.range(spelling, spelling[:-1] + b"0").kvs:
                 qk = keys.parse(kv.key)
-                if qk is not None and qk.kind == "message":
+                if qk is None:
+                    continue
+                if qk.kind == "message":
                     self.runtime(qk.name).pending[qk.idx] = kv.key
+                elif (
+                    qk.kind == "consume" and kv.value == self.node_name and qk.consumer not in live
+                ):
+                    self._delete(kv.key)
 
     # -- consumers --------------------------------------------------------------
 
@@ -140,7 +160,10 @@ class Dispatcher:
         rt = self.runtime(consumer.queue)
         rt.consumers.remove(consumer)
         q = self.queues.queues.get(consumer.queue)
-        if q is not None:
+        # another watch on the same consumer key (a client that reconnected before
+        # its old stream was noticed closing) keeps the registry key
+        same_id = any(c.consumer_id == consumer.consumer_id for c in rt.consumers)
+        if q is not None and not same_id:
             self._delete(keys.consumer_key(q.spelling, q.name, consumer.consumer_id))
         self._give_back(rt, consumer, list(consumer.held))
 
@@ -251,6 +274,8 @@ class Dispatcher:
             self._deliver(c, store, message_keys)
 
     def _deliver(self, consumer: Consumer, store: MVCCStore, message_keys: list[bytes]) -> None:
+        """Push the messages to the consumer's stream: one WatchResponse, or more
+        when they would carry over DELIVERY_RESPONSE_BYTES."""
         response = rpc_pb2.WatchResponse(watch_id=consumer.watcher.watch_id)
         response.header.revision = store.revision
         size = 0
@@ -258,6 +283,13 @@ class Dispatcher:
             kv = store.get(key)
             if kv is None:  # pragma: no cover - deletes leave pending before this
                 continue
+            entry = len(kv.key) + len(kv.value)
+            if response.events and size + entry > DELIVERY_RESPONSE_BYTES:
+                self.delivered += len(response.events)
+                consumer.watcher.stream.push(response, size)
+                response = rpc_pb2.WatchResponse(watch_id=consumer.watcher.watch_id)
+                response.header.revision = store.revision
+                size = 0
             ev = response.events.add()
             ev.type = kv_pb2.Event.PUT
             dst = ev.kv
@@ -268,7 +300,7 @@ class Dispatcher:
             dst.value = kv.value
             if kv.lease:
                 dst.lease = kv.lease
-            size += len(kv.key) + len(kv.value)
+            size += entry
         if response.events:
             self.delivered += len(response.events)
             consumer.watcher.stream.push(response, size)
