@@ -67,7 +67,11 @@ class StateMachine:
         self.store = store
         store.on_commit = self._on_commit
         self.kv = KVExecutor(
-            store, self.lessor.exists, self.queues.check_put, self.queues.rewrite_put
+            store,
+            self.lessor.exists,
+            self.queues.check_put,
+            self.queues.rewrite_put,
+            self.queues.begin_checks,
         )
 
     def _on_commit(self, revision: int, events: list[Event]) -> None:

@@ -66,6 +66,10 @@ def _same_key(key: bytes) -> bytes:
     return key
 
 
+def _nothing() -> None:
+    return None
+
+
 class KVExecutor:
     """Runs KV requests against one store.
 
@@ -73,7 +77,9 @@ class KVExecutor:
     knowing them: `lease_exists` answers whether a lease id may be attached to a
     key; `check_put(key, value)` may refuse a put before anything changes, and
     `rewrite_put(key)` names the key a put really writes (the queue module turns
-    a producer key into a message key this way).
+    a producer key into a message key this way); `begin_checks()` is called
+    before the puts of one request are checked, so a check can count across
+    them (a Txn producing several messages into a queue near its max_depth).
     """
 
     def __init__(
@@ -82,11 +88,13 @@ class KVExecutor:
         lease_exists: LeaseExists = _no_leases,
         check_put: Callable[[bytes, bytes], None] = _any_put,
         rewrite_put: Callable[[bytes], bytes] = _same_key,
+        begin_checks: Callable[[], None] = _nothing,
     ) -> None:
         self.store = store
         self.lease_exists = lease_exists
         self.check_put_hook = check_put
         self.rewrite_put = rewrite_put
+        self.begin_checks = begin_checks
 
     # -- Range ----------------------------------------------------------------
 
@@ -153,6 +161,7 @@ class KVExecutor:
 
     def put(self, r: rpc_pb2.PutRequest, txn: WriteTxn | None = None) -> rpc_pb2.PutResponse:
         if txn is None:
+            self.begin_checks()
             self._check_put(r, lease_first=True)
             with self.store.write() as t:
                 return self._put(r, t)
@@ -208,6 +217,7 @@ class KVExecutor:
         path = self._compare_path(r)
         write = not is_read_only(r)
         if write:
+            self.begin_checks()
             self._check_branch(r, path, self._check_put_op)
         self._check_branch(r, path, self._check_range_op)
         with self.store.write() as t:

@@ -101,6 +101,12 @@ class QueueState:
 
     def __init__(self) -> None:
         self.queues: dict[bytes, QueueInfo] = {}
+        # produces already checked in the request being checked, per queue
+        self._checked_produces: dict[bytes, int] = {}
+
+    def begin_checks(self) -> None:
+        """A new request's puts are about to be checked."""
+        self._checked_produces.clear()
 
     def queue(self, name: bytes, spelling: bytes) -> QueueInfo:
         """The queue, created on first use with the spelling it was first used with."""
@@ -120,11 +126,13 @@ class QueueState:
             return
         if qk.kind == "produce":
             q = self.queues.get(qk.name)
-            if q is not None and q.settings.max_depth and q.depth >= q.settings.max_depth:
+            earlier = self._checked_produces.get(qk.name, 0)
+            if q is not None and q.settings.max_depth and q.depth + earlier >= q.settings.max_depth:
                 raise QueueFull(
                     f"etcdserver: queue {qk.name.decode(errors='replace')} is full "
                     f"(max_depth {q.settings.max_depth})"
                 )
+            self._checked_produces[qk.name] = earlier + 1
         elif qk.kind == "config":
             QueueSettings.parse(value)
 

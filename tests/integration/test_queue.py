@@ -669,12 +669,6 @@ def test_depth_limit_refuses_and_writes_nothing(kv: rpc_pb2_grpc.KVStub) -> None
     assert depth(kv, name) == 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="check_put sees each produce of a Txn against the depth before the Txn, "
-    "so one Txn can produce past max_depth (the executor gives the queue hook no "
-    "view of the whole branch)",
-)
 def test_depth_limit_counts_every_produce_of_one_txn(kv: rpc_pb2_grpc.KVStub) -> None:
     name = b"depth-txn"
     configure(kv, name, max_depth=2)
