@@ -3,7 +3,10 @@
 As in etcd, an election is a prefix: each candidate holds `name/<lease hex>` with
 its lease, and the leader is the candidate whose key was created first. Campaign
 waits like a mutex (`queue_server.recipes.mutex`); Proclaim and Resign act only if
-the caller's key still has the create revision it won with.
+the caller's key still has the create revision it won with. A Campaign or Proclaim
+without a lease gets a lease of its own that nobody keeps alive, as etcd's session
+does. As in etcd, whose server runs these as client recipes, every error reaches
+the caller as UNKNOWN with the underlying message.
 """
 
 from __future__ import annotations
@@ -14,11 +17,18 @@ from collections.abc import AsyncIterator
 from grpc import aio
 
 from etcdserverpb import rpc_pb2, v3election_pb2, v3election_pb2_grpc
-from queue_server.api.errors import abort, abort_unknown
+from queue_server.api.errors import abort_unknown
 from queue_server.api.header import HeaderFiller
+from queue_server.api.lease import lease_ids
 from queue_server.errors import EtcdError
 from queue_server.recipes.local_client import LocalClient
-from queue_server.recipes.mutex import SessionExpired, claim_and_wait, prefix_end
+from queue_server.recipes.mutex import (
+    SessionExpired,
+    claim,
+    prefix_end,
+    session_lease,
+    wait_turn,
+)
 
 Context = aio.ServicerContext[object, object]
 
@@ -27,12 +37,18 @@ NO_LEADER = "election: no leader"
 MISSING_LEADER_KEY = '"leader" field must be provided'
 
 
+class NotLeader(Exception):
+    def __init__(self) -> None:
+        super().__init__(NOT_LEADER)
+
+
 class ElectionService(v3election_pb2_grpc.ElectionServicer):
     """Server-side elections over the node's own KV, leases and watches."""
 
     def __init__(self, client: LocalClient, header: HeaderFiller) -> None:
         self.client = client
         self.header = header
+        self.ids = lease_ids(header.member_id)
 
     def _first(self, name: bytes) -> rpc_pb2.RangeResponse:
         prefix = name + b"/"
@@ -49,26 +65,33 @@ class ElectionService(v3election_pb2_grpc.ElectionServicer):
     async def Campaign(
         self, request: v3election_pb2.CampaignRequest, context: Context
     ) -> v3election_pb2.CampaignResponse:
-        key = request.name + b"/" + b"%x" % request.lease
+        """etcd's Election.Campaign: claim `name/<lease hex>`; if it existed with
+        another value, proclaim ours at once; then wait to be the oldest. The
+        response carries the claim's header, as etcd's does."""
+        prefix = request.name + b"/"
         try:
-            rev, header = await claim_and_wait(
-                self.client, request.name + b"/", key, request.lease, request.value
-            )
-            current = self.client.range(rpc_pb2.RangeRequest(key=key)).kvs
-            if current and current[0].value != request.value:
-                # an existing candidate key with another value: proclaim ours
-                header = (await self._proclaim(key, rev, request.lease, request.value)).header
-        except EtcdError as e:
-            await abort(context, e)
-        except SessionExpired as e:
+            lease = await session_lease(self.client, request.lease, self.ids.next)
+            key = prefix + b"%x" % lease
+            claimed = await claim(self.client, prefix, key, lease, request.value)
+            if claimed.existing is not None and claimed.existing != request.value:
+                proclaimed = await self._proclaim(key, claimed.rev, lease, request.value)
+                if not proclaimed.succeeded:
+                    raise NotLeader()
+            if not claimed.owner:
+                await wait_turn(self.client, prefix, key, claimed.rev)
+                if not self.client.range(rpc_pb2.RangeRequest(key=key)).kvs:
+                    # etcd's Campaign does not look again, and reports a win for
+                    # a key that is gone; we report that its lease expired
+                    raise SessionExpired()
+        except (EtcdError, SessionExpired, NotLeader) as e:
             await abort_unknown(context, str(e))
         resp = v3election_pb2.CampaignResponse()
-        resp.header.CopyFrom(header)
+        resp.header.CopyFrom(claimed.header)
         self.header.fill(resp.header)
         resp.leader.name = request.name
         resp.leader.key = key
-        resp.leader.rev = rev
-        resp.leader.lease = request.lease
+        resp.leader.rev = claimed.rev
+        resp.leader.lease = lease
         return resp
 
     async def _proclaim(
@@ -90,9 +113,11 @@ class ElectionService(v3election_pb2_grpc.ElectionServicer):
             await abort_unknown(context, MISSING_LEADER_KEY)
         leader = request.leader
         try:
-            resp = await self._proclaim(leader.key, leader.rev, leader.lease, request.value)
+            # a leader key without a lease: etcd's session grants one for the put
+            lease = await session_lease(self.client, leader.lease, self.ids.next)
+            resp = await self._proclaim(leader.key, leader.rev, lease, request.value)
         except EtcdError as e:
-            await abort(context, e)
+            await abort_unknown(context, e.text)
         if not resp.succeeded:
             await abort_unknown(context, NOT_LEADER)
         out = v3election_pb2.ProclaimResponse()
@@ -116,7 +141,7 @@ class ElectionService(v3election_pb2_grpc.ElectionServicer):
         try:
             resp = await self.client.txn(rpc_pb2.TxnRequest(compare=[cmp], success=[delete]))
         except EtcdError as e:
-            await abort(context, e)
+            await abort_unknown(context, e.text)
         out = v3election_pb2.ResignResponse()
         out.header.CopyFrom(resp.header)
         self.header.fill(out.header)

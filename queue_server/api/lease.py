@@ -38,6 +38,19 @@ class LeaseIdGenerator:
                 return lease_id
 
 
+_SHARED_IDS: dict[int, LeaseIdGenerator] = {}
+
+
+def lease_ids(member_id: int) -> LeaseIdGenerator:
+    """The member's one lease id generator, shared by every service that grants
+    leases (Lease, and Lock/Election for requests without a lease), so that two
+    of them never pick the same id."""
+    ids = _SHARED_IDS.get(member_id)
+    if ids is None:
+        ids = _SHARED_IDS[member_id] = LeaseIdGenerator(member_id)
+    return ids
+
+
 class LeaseService(rpc_pb2_grpc.LeaseServicer):
     """Serves leases from the state machine's lessor and the node's expiry clock."""
 
@@ -52,7 +65,7 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
         self.log = log
         self.expiry = expiry
         self.header = header
-        self.ids = LeaseIdGenerator(header.member_id)
+        self.ids = lease_ids(header.member_id)
 
     async def _propose(self, command: internal_pb2.Command, context: Context) -> object:
         try:

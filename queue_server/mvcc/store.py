@@ -305,7 +305,7 @@ class MVCCStore:
         """A checksum of every change kept at or below `revision` (0: now), for
         comparing replicas (HashKV). Equal histories give equal hashes."""
         bound = position(self.check_revision(revision))
-        h = zlib.crc32(b"")
+        h = zlib.crc32(b"key")  # like etcd, which starts with its bucket name: never 0
         for key, history in self._index.items():
             for pos, kv in zip(history.positions, history.changes, strict=True):
                 if pos > bound:

@@ -8,10 +8,12 @@ their client. Reads come from the state machine, writes go through the log, and
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
 
 from etcdserverpb import internal_pb2, kv_pb2, rpc_pb2
 from queue_server.apply import Proposer, StateMachine
-from queue_server.errors import EtcdError
+from queue_server.errors import EtcdError, LeaseExists
 from queue_server.watch.hub import WatchHub
 
 NOPUT = rpc_pb2.WatchCreateRequest.NOPUT
@@ -38,6 +40,17 @@ class LocalClient:
         result = await self._propose(internal_pb2.Command(txn=request))
         assert isinstance(result, rpc_pb2.TxnResponse)
         return result
+
+    async def grant(self, ttl: int, new_id: Callable[[dict[int, Any]], int]) -> int:
+        """Grant a lease with an id from `new_id` (given the leases that exist);
+        returns the id. An id taken meanwhile by another grant is retried."""
+        while True:
+            request = rpc_pb2.LeaseGrantRequest(ID=new_id(self.state.lessor.leases), TTL=ttl)
+            try:
+                await self._propose(internal_pb2.Command(lease_grant=request))
+            except LeaseExists:
+                continue
+            return request.ID
 
     async def delete(self, key: bytes) -> rpc_pb2.DeleteRangeResponse:
         command = internal_pb2.Command(delete_range=rpc_pb2.DeleteRangeRequest(key=key))

@@ -20,13 +20,21 @@ a run against our server and one against etcd can be compared as they are.
 etcd3 0.12.0 accepts `limit`, `revision`, `count_only` and the min/max revision
 filters as keyword arguments of its range calls but never copies them into the
 RangeRequest (`Etcd3Client._build_get_range_request`), so they are silently
-ignored whatever the server; the scenarios do not use them.
+ignored whatever the server; the scenarios do not use them. Likewise its watch
+`filters` argument cannot work (it assigns a list to the repeated field, which
+protobuf refuses), and its Lock cannot wait for a held lock with the tenacity
+installed here (see `attempt`).
+
+Calls that block (watch iterators) are read with a deadline (`take`), and every
+wait is bounded: nothing here sleeps to let something happen.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -394,6 +402,310 @@ def scenario_compact(r: Run) -> dict[str, Any]:
         "physical": c.compact(r.base + 3, physical=True),
         "read": r.pairs(c.get_prefix(r.prefix)),
     }
+
+
+# -- watch ----------------------------------------------------------------------
+
+WATCH_TIMEOUT = 10.0
+"""How long a watch may take to deliver an event it owes."""
+POLL_TIMEOUT = 15.0
+"""How long a lease may take to expire (etcd checks expiry every 500ms)."""
+
+
+def take(iterator: Any, count: int, timeout: float = WATCH_TIMEOUT) -> dict[str, Any]:
+    """The next `count` items of a blocking iterator (etcd3's watch iterators
+    block forever), read in a thread and awaited at most `timeout` seconds; and
+    what the iteration raised, if it did."""
+    got: list[Any] = []
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            for item in iterator:
+                got.append(item)
+                if len(got) == count:
+                    return
+        except Exception as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return {"items": list(got), "error": raised[0] if raised else None}
+
+
+def event(r: Run, ev: Any, prev: bool = False) -> dict[str, Any]:
+    """etcd3's PutEvent / DeleteEvent as plain data."""
+    out = {
+        "type": type(ev).__name__,
+        "key": ev.key.decode(),
+        "value": ev.value.decode(),
+        "version": ev.version,
+        "create_revision": r.rel(ev.create_revision),
+        "mod_revision": r.rel(ev.mod_revision),
+    }
+    if prev:
+        out["prev_value"] = ev.prev_value.decode()
+        out["prev_mod_revision"] = r.rel(ev.prev_mod_revision)
+    return out
+
+
+def scenario_watch(r: Run) -> dict[str, Any]:
+    c = r.client
+    a = r.k("a")
+    # etcd3 returns once the server has created the watch: no sync point needed
+    events, cancel = c.watch(a)
+    try:
+        c.put(a, "1")
+        c.put(r.k("b"), "not watched")
+        c.put(a, "2")
+        c.delete(a)
+        c.put(a, "3")
+        got = take(events, 4)
+    finally:
+        cancel()
+    return {
+        "events": [event(r, e) for e in got["items"]],
+        "error": repr(got["error"]),
+        "after_cancel": [event(r, e) for e in events],  # cancel ends the iterator
+    }
+
+
+def scenario_watch_prefix(r: Run) -> dict[str, Any]:
+    c = r.client
+    p = r.k("p/")
+    events, cancel = c.watch_prefix(p, prev_kv=True)
+    try:
+        c.put(p + "a", "1")
+        c.put(r.k("p"), "outside the prefix")
+        c.put(p + "b", "2")
+        c.put(p + "a", "3")
+        c.delete_prefix(p)  # one revision, two events
+        got = take(events, 5)
+    finally:
+        cancel()
+    return {"events": [event(r, e, prev=True) for e in got["items"]], "error": repr(got["error"])}
+
+
+def scenario_watch_start_revision(r: Run) -> dict[str, Any]:
+    c = r.client
+    a = r.k("a")
+    c.put(a, "1")  # +1
+    c.put(a, "2")  # +2
+    c.delete(a)  # +3
+    c.put(a, "3")  # +4
+    events, cancel = c.watch(a, start_revision=r.base + 2)
+    try:
+        history = take(events, 3)
+        c.put(a, "4")  # +5
+        live = take(events, 1)
+    finally:
+        cancel()
+    # a start revision ahead of the store: nothing until it gets there
+    ahead, cancel_ahead = c.watch(a, start_revision=r.base + 7)
+    try:
+        c.put(a, "5")  # +6
+        c.put(a, "6")  # +7
+        later = take(ahead, 1)
+    finally:
+        cancel_ahead()
+    # watch_once with a start revision in the past returns at once
+    once = c.watch_once(a, timeout=WATCH_TIMEOUT, start_revision=r.base + 1)
+    return {
+        "history": [event(r, e) for e in history["items"]],
+        "live": [event(r, e) for e in live["items"]],
+        "ahead": [event(r, e) for e in later["items"]],
+        "once": event(r, once),
+        "once_times_out": r.error(lambda: c.watch_once(r.k("never"), timeout=0.3)),
+    }
+
+
+def scenario_watch_callback(r: Run) -> dict[str, Any]:
+    c = r.client
+    a = r.k("a")
+    first: list[Any] = []
+    second: list[Any] = []
+    got_two = threading.Event()
+    got_one = threading.Event()
+
+    def on_first(response: Any) -> None:
+        first.append(response)
+        if sum(len(x.events) for x in first if hasattr(x, "events")) >= 2:
+            got_two.set()
+
+    def on_second(response: Any) -> None:
+        second.append(response)
+        got_one.set()
+
+    watch_id = c.add_watch_callback(a, on_first)
+    c.put(a, "1")
+    c.put(a, "2")
+    first_done = got_two.wait(WATCH_TIMEOUT)
+    c.cancel_watch(watch_id)
+    # a second watch of the key, on the same stream: once it has seen the next
+    # put, the canceled one would have too
+    prefix_id = c.add_watch_prefix_callback(r.prefix, on_second)
+    c.put(a, "3")
+    second_done = got_one.wait(WATCH_TIMEOUT)
+    c.cancel_watch(prefix_id)
+
+    def responses(items: list[Any]) -> list[Any]:
+        return [
+            {
+                "revision": r.rel(x.header.revision),
+                "events": [event(r, e) for e in x.events],
+            }
+            if hasattr(x, "events")
+            else repr(x)
+            for x in items
+        ]
+
+    return {
+        "first_done": first_done,
+        "first": responses(first),
+        "second_done": second_done,
+        "second": responses(second),
+    }
+
+
+def scenario_watch_compacted(r: Run) -> dict[str, Any]:
+    c = r.client
+    a = r.k("a")
+    c.put(a, "1")  # +1
+    c.put(a, "2")  # +2
+    c.put(a, "3")  # +3
+    c.compact(r.base + 2)
+    events, cancel = c.watch(a, start_revision=r.base + 1)
+    try:
+        got = take(events, 1)
+    finally:
+        cancel()
+    error = got["error"]
+    kept, cancel_kept = c.watch(a, start_revision=r.base + 2)  # the compacted one is kept
+    try:
+        history = take(kept, 2)
+    finally:
+        cancel_kept()
+    return {
+        "events": [event(r, e) for e in got["items"]],
+        "error": type(error).__name__,
+        "compacted_revision": r.rel(getattr(error, "compacted_revision", 0)),
+        "from_compacted": [event(r, e) for e in history["items"]],
+    }
+
+
+# -- leases ---------------------------------------------------------------------
+
+LEASE_ID = 0x7E57_0E7C_D300_0001
+"""An id for a lease granted with an explicit ID (each server runs this once)."""
+
+
+def scenario_lease(r: Run) -> dict[str, Any]:
+    c = r.client
+    lease = c.lease(60)
+    c.put(r.k("a"), "1", lease=lease)
+    c.put(r.k("b"), "2", lease=lease.id)
+    c.put(r.k("c"), "3")
+    _, meta = c.get(r.k("a"))
+    remaining = lease.remaining_ttl
+    refreshed = lease.refresh()
+    out: dict[str, Any] = {
+        "id_positive": lease.id > 0,
+        "ttl": lease.ttl,
+        "granted_ttl": lease.granted_ttl,
+        "remaining_ttl_ok": 55 <= remaining <= 60,
+        "keys": sorted(k.decode() for k in lease.keys),
+        "meta_lease": meta.lease_id == lease.id,
+        "refresh": [[lease.id == x.ID, x.TTL] for x in refreshed],
+    }
+    before = r.revision()
+    lease.revoke()
+    out["revoke_revisions"] = r.revision() - before  # the two keys: one revision
+    out["after_revoke"] = {
+        "remaining_ttl": lease.remaining_ttl,
+        "granted_ttl": lease.granted_ttl,
+        "keys": list(lease.keys),
+        "left": r.pairs(c.get_prefix(r.prefix)),
+        "refresh": [[lease.id == x.ID, x.TTL] for x in lease.refresh()],
+    }
+    out["revoke_again"] = r.error(lease.revoke)
+    out["put_with_revoked"] = r.error(lambda: c.put(r.k("d"), "x", lease=lease))
+    explicit = c.lease(30, lease_id=LEASE_ID)
+    out["explicit"] = [explicit.id == LEASE_ID, explicit.ttl]
+    out["explicit_again"] = r.error(lambda: c.lease(30, lease_id=LEASE_ID))
+    explicit.revoke()
+    minimum = c.lease(1)
+    out["minimum_ttl"] = minimum.ttl
+    minimum.revoke()
+    out["too_large"] = r.error(lambda: c.lease(9_000_000_001))
+    return out
+
+
+def scenario_lease_expiry(r: Run) -> dict[str, Any]:
+    c = r.client
+    lease = c.lease(2)
+    c.put(r.k("a"), "1", lease=lease)
+    c.put(r.k("b"), "2", lease=lease)
+    c.put(r.k("c"), "3")
+    written = r.revision()
+    deadline = time.monotonic() + POLL_TIMEOUT
+    while c.get(r.k("a"))[0] is not None and time.monotonic() < deadline:
+        pass
+    return {
+        "granted": lease.ttl,
+        "written": r.rel(written),
+        "after_expiry": r.rel(r.revision()),  # both keys deleted in one revision
+        "left": r.pairs(c.get_prefix(r.prefix)),
+        "remaining_ttl": lease.remaining_ttl,
+        "keys": list(lease.keys),
+    }
+
+
+# -- locks ----------------------------------------------------------------------
+
+
+def attempt(lock: Any) -> bool | str:
+    """One try at `lock`: True if taken at once, else "had to wait".
+
+    etcd3 0.12 waits between attempts with a tenacity `wait` callback of an older
+    signature, so with the tenacity installed here an acquire that does not get
+    the lock at its first try raises TypeError, whatever the server (and leaves
+    the lease it granted for the try to expire)."""
+    try:
+        return bool(lock.acquire(timeout=0))
+    except TypeError as e:
+        assert "delay_since_first_attempt" in str(e), e
+        return "had to wait"
+
+
+def scenario_locks(r: Run) -> dict[str, Any]:
+    """etcd3's Lock: a key /locks/NAME put with a lease if it does not exist."""
+    c = r.client
+    name = f"etcd3-{r.base}"  # fresh on every run
+    key = "/locks/" + name
+    first = c.lock(name, ttl=10)
+    second = c.lock(name, ttl=10)
+    out: dict[str, Any] = {"first_acquire": first.acquire(timeout=5)}
+    value, meta = c.get(key)
+    out["held"] = {
+        "is_acquired": [first.is_acquired(), second.is_acquired()],
+        "value_is_first_uuid": value == first.uuid,
+        "lease_is_first_lease": meta.lease_id == first.lease.id,
+        "granted_ttl": first.lease.granted_ttl,
+        "refresh": [x.TTL for x in first.refresh()],
+    }
+    # contended: the second cannot take it while the first holds it
+    out["second_acquire_while_held"] = attempt(second)
+    out["second_after_attempt"] = second.is_acquired()
+    out["first_release"] = first.release()
+    out["first_release_again"] = first.release()  # not held any more
+    out["second_acquire"] = attempt(second)
+    out["after_handover"] = [first.is_acquired(), second.is_acquired()]
+    out["second_release"] = second.release()
+    with c.lock(name, ttl=10) as third:
+        out["context_manager"] = third.is_acquired()
+    out["after_context"] = c.get(key)[0]
+    return out
 
 
 SCENARIOS: dict[str, Callable[[Run], dict[str, Any]]] = {

@@ -23,14 +23,33 @@ own keys. Each case uses keys under its own prefix `/diff/NNN-name/`, so a case'
 from-key reads see nothing of earlier cases (their prefixes sort lower) and later
 cases have not run yet.
 
+Lease cases use the same runner with lease ids of their own (`Ctx.lease`); a
+lease's remaining TTL is compared to within TTL_SLACK seconds, and lists that
+etcd builds from Go maps (a lease's keys, LeaseLeases) are sorted. Lock and
+Election cases call the v3lock / v3election services.
+
+Watch cases (`WATCH_CASES`, `test_watch_same_as_etcd`) run on one Watch stream
+each: a step is a request on the stream or a KV call, and says how many watch
+responses etcd sends for it; the runner reads that many, then ends with a
+barrier (see `run_watch_case`). Responses are compared like the others, with
+compact_revision relative too.
+
 etcd 3.4 vs 3.5: every case below behaves the same in etcd 3.4.23 (the reference
 run here) and in etcd 3.5 (our target), checked against the 3.5 sources
-(server/etcdserver/apply.go, api/v3rpc/key.go, mvcc/kvstore*.go): none needed a
-3.5-specific expectation.
+(server/etcdserver/apply.go, api/v3rpc/key.go, api/v3rpc/watch.go,
+mvcc/kvstore*.go, mvcc/watchable_store.go, lease/lessor.go, api/v3lock,
+api/v3election, client/v3/concurrency): none needed a 3.5-specific expectation.
+The cases avoid what differs: a WatchProgressRequest is only sent when every
+watcher of the stream is synced (3.4 answers at once, 3.5.9 defers the answer,
+3.5.17 drops the request while a watcher catches up, and answers nothing on a
+stream with no watchers).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pprint import pformat
@@ -40,7 +59,14 @@ import grpc
 import pytest
 from google.protobuf.message import Message
 
-from etcdserverpb import rpc_pb2, rpc_pb2_grpc
+from etcdserverpb import (
+    rpc_pb2,
+    rpc_pb2_grpc,
+    v3election_pb2,
+    v3election_pb2_grpc,
+    v3lock_pb2,
+    v3lock_pb2_grpc,
+)
 from tests.support.processes import EtcdProcess, ServerProcess
 
 pytestmark = pytest.mark.compat
@@ -68,13 +94,21 @@ class Step:
     code_only: bool = False
 
 
+LEASES_PER_CASE = 1000
+
+
 @dataclass(frozen=True)
 class Ctx:
-    """What a case builds its requests from: its key prefix, and the revision the
-    server was at before the case's first request."""
+    """What a case builds its requests from: its key prefix, the revision the
+    server was at before the case's first request, and the first of the lease
+    ids it may use (`lease(n)`, n < LEASES_PER_CASE)."""
 
     prefix: bytes
     base: int
+    lease_base: int = 0
+
+    def lease(self, n: int) -> int:
+        return self.lease_base + n
 
     def k(self, name: str | bytes = b"") -> bytes:
         return self.prefix + (name.encode() if isinstance(name, str) else name)
@@ -824,19 +858,452 @@ def case_request_size(c: Ctx) -> list[Step]:
     ]
 
 
+# -- lease cases ----------------------------------------------------------------
+#
+# Leases are chosen by ID (`Ctx.lease`), so both servers hold the same ids. No
+# case leaves a lease that has keys attached to expire by itself: that would be
+# a write at a time neither server controls, in the middle of a later case.
+
+MAX_LEASE_TTL = 9_000_000_000  # etcd's MaxLeaseTTL (seconds)
+
+
+def grant(ttl: int, lease_id: int = 0, *, expect: str | None = None) -> Step:
+    return Step("LeaseGrant", rpc_pb2.LeaseGrantRequest(TTL=ttl, ID=lease_id), expect)
+
+
+def revoke(lease_id: int, *, expect: str | None = None) -> Step:
+    return Step("LeaseRevoke", rpc_pb2.LeaseRevokeRequest(ID=lease_id), expect)
+
+
+def time_to_live(lease_id: int, keys: bool = False, *, expect: str | None = None) -> Step:
+    return Step("LeaseTimeToLive", rpc_pb2.LeaseTimeToLiveRequest(ID=lease_id, keys=keys), expect)
+
+
+def keep_alive(lease_id: int, *, expect: str | None = None) -> Step:
+    """One LeaseKeepAliveRequest on a fresh stream; its one response."""
+    return Step("LeaseKeepAlive", rpc_pb2.LeaseKeepAliveRequest(ID=lease_id), expect)
+
+
+def leases() -> Step:
+    return Step("LeaseLeases", rpc_pb2.LeaseLeasesRequest(), "OK")
+
+
+@case
+def case_lease_grant(c: Ctx) -> list[Step]:
+    one, two, big = c.lease(1), c.lease(2), c.lease(3)
+    return [
+        grant(60, one, expect="OK"),
+        grant(60, one, expect="FAILED_PRECONDITION"),  # lease already exists
+        grant(30, one, expect="FAILED_PRECONDITION"),
+        # etcd's minimum TTL with its default timing (1.5 election timeouts): 2s
+        grant(1, two, expect="OK"),
+        time_to_live(two),
+        revoke(two, expect="OK"),
+        grant(0, two, expect="OK"),  # 0 and negative TTLs get the minimum too
+        revoke(two, expect="OK"),
+        grant(-5, two, expect="OK"),
+        revoke(two, expect="OK"),
+        grant(MAX_LEASE_TTL + 1, big, expect="OUT_OF_RANGE"),  # too large lease TTL
+        time_to_live(big),  # ...and the failed grant left nothing behind
+        grant(MAX_LEASE_TTL, big, expect="OK"),
+        time_to_live(big),
+        revoke(big, expect="OK"),
+        time_to_live(one),
+        keep_alive(one),
+        leases(),
+        revoke(one, expect="OK"),
+        leases(),
+    ]
+
+
+@case
+def case_lease_unknown(c: Ctx) -> list[Step]:
+    gone = c.lease(1)
+    return [
+        time_to_live(c.lease(9)),  # TTL -1, not an error
+        time_to_live(c.lease(9), keys=True),
+        keep_alive(c.lease(9)),  # TTL 0, not an error
+        revoke(c.lease(9), expect="NOT_FOUND"),
+        put(c.k("a"), b"v", lease=c.lease(9), expect="NOT_FOUND"),
+        grant(100, gone, expect="OK"),
+        revoke(gone, expect="OK"),
+        revoke(gone, expect="NOT_FOUND"),
+        time_to_live(gone, keys=True),
+        keep_alive(gone),
+        put(c.k("a"), b"v", lease=gone, expect="NOT_FOUND"),
+        txn(success=[op_put(c.k("a"), b"v", lease=gone)], expect="NOT_FOUND"),
+        # the lease is checked in a branch not taken too
+        txn(
+            [cmp(c.k("a"), C.VERSION, C.EQUAL, version=5)],
+            [op_get(c.k("a"))],
+            [op_put(c.k("a"), b"v", lease=gone)],
+            expect="NOT_FOUND",
+        ),
+        get(c.k("a")),
+    ]
+
+
+@case
+def case_lease_keys(c: Ctx) -> list[Step]:
+    l1, l2 = c.lease(1), c.lease(2)
+    a, b, d = c.k("a"), c.k("b"), c.k("d")
+    return [
+        grant(100, l1, expect="OK"),
+        grant(100, l2, expect="OK"),
+        put(a, b"1", lease=l1),  # +1
+        put(b, b"1", lease=l1),  # +2
+        txn(success=[op_put(d, b"1", lease=l2)], expect="OK"),  # +3
+        time_to_live(l1, keys=True),
+        time_to_live(l1),  # keys only when asked
+        get(c.k(), prefix_end(c.k())),
+        put(a, b"2", ignore_lease=True, expect="OK"),  # keeps l1
+        put(b, b"2"),  # detaches b from l1
+        put(d, b"2", lease=l1),  # moves d from l2 to l1
+        time_to_live(l1, keys=True),
+        time_to_live(l2, keys=True),
+        delete(a),  # a deleted: gone from l1
+        time_to_live(l1, keys=True),
+        put(a, b"3", ignore_lease=True, expect="INVALID_ARGUMENT"),  # key not found
+        put(a, b"3", lease=l1),
+        # revoking deletes the attached keys (a, d) in one revision
+        revoke(l1, expect="OK"),
+        get(c.k(), prefix_end(c.k())),
+        time_to_live(l1, keys=True),
+        put(a, b"4", ignore_lease=True, expect="INVALID_ARGUMENT"),  # deleted with the lease
+        # a lease with no keys left: revoking it writes nothing
+        revoke(l2, expect="OK"),
+        put(b, b"3", ignore_lease=True, prev_kv=True, expect="OK"),
+        get(c.k(), prefix_end(c.k())),
+    ]
+
+
+@case
+def case_lease_negative_id(c: Ctx) -> list[Step]:
+    # etcd takes any non-zero id, negative ones included
+    lease = -c.lease(1)
+    return [
+        grant(60, lease, expect="OK"),
+        put(c.k("a"), b"1", lease=lease, expect="OK"),
+        time_to_live(lease, keys=True),
+        get(c.k("a")),
+        revoke(lease, expect="OK"),
+        get(c.k("a")),
+    ]
+
+
+@case
+def case_lease_revoke_txn_keys(c: Ctx) -> list[Step]:
+    lease = c.lease(1)
+    end = prefix_end(c.k())
+    return [
+        grant(100, lease, expect="OK"),
+        txn(success=[op_put(c.k(f"k{i}"), b"v", lease=lease) for i in range(5)], expect="OK"),
+        put(c.k("other"), b"v"),
+        time_to_live(lease, keys=True),
+        # a delete of a range detaches every key it deletes
+        delete(c.k("k3"), end, prev_kv=True),
+        time_to_live(lease, keys=True),
+        revoke(lease, expect="OK"),
+        get(c.k(), end),
+    ]
+
+
+# -- lock and election cases ----------------------------------------------------
+#
+# etcd serves v3lock and v3election with its client recipes inside the server, so
+# their errors arrive as UNKNOWN with the underlying message. Calls that wait (a
+# held lock, a campaign behind a leader) are not here: they need a second caller
+# (tests/integration/test_lock_election.py); nor are calls without a lease (the
+# server grants one with an id of its own: `test_lock_and_campaign_without_lease`).
+
+
+def lock(name: bytes, lease: int, *, expect: str | None = None) -> Step:
+    return Step("Lock", v3lock_pb2.LockRequest(name=name, lease=lease), expect)
+
+
+def unlock(key: bytes, *, expect: str | None = None) -> Step:
+    return Step("Unlock", v3lock_pb2.UnlockRequest(key=key), expect)
+
+
+def campaign(name: bytes, lease: int, value: bytes, *, expect: str | None = None) -> Step:
+    request = v3election_pb2.CampaignRequest(name=name, lease=lease, value=value)
+    return Step("Campaign", request, expect)
+
+
+def leader(name: bytes, *, expect: str | None = None) -> Step:
+    return Step("Leader", v3election_pb2.LeaderRequest(name=name), expect)
+
+
+def leader_key(name: bytes, lease: int, rev: int) -> v3election_pb2.LeaderKey:
+    return v3election_pb2.LeaderKey(name=name, key=name + b"/%x" % lease, rev=rev, lease=lease)
+
+
+def proclaim(
+    who: v3election_pb2.LeaderKey | None, value: bytes, *, expect: str | None = None
+) -> Step:
+    return Step("Proclaim", v3election_pb2.ProclaimRequest(leader=who, value=value), expect)
+
+
+def resign(who: v3election_pb2.LeaderKey | None, *, expect: str | None = None) -> Step:
+    return Step("Resign", v3election_pb2.ResignRequest(leader=who), expect)
+
+
+@case
+def case_lock_service(c: Ctx) -> list[Step]:
+    l1 = c.lease(1)
+    name = c.k("mutex")
+    mine = name + b"/%x" % l1
+    held = get(name + b"/", prefix_end(name + b"/"))
+    return [
+        grant(60, l1, expect="OK"),
+        lock(name, l1, expect="OK"),  # +1: name/<lease hex>, with the lease
+        held,
+        lock(name, l1, expect="OK"),  # the lease's key already: held, nothing written
+        lock(c.k("other"), c.lease(9), expect="UNKNOWN"),  # requested lease not found
+        unlock(mine, expect="OK"),  # +2
+        unlock(mine, expect="OK"),  # nothing left to delete
+        unlock(b"", expect="UNKNOWN"),  # key is not provided
+        held,
+        lock(name, l1, expect="OK"),  # +3
+        revoke(l1, expect="OK"),  # +4: the lock goes with its lease
+        held,
+    ]
+
+
+@case
+def case_election_service(c: Ctx) -> list[Step]:
+    l1 = c.lease(1)
+    name = c.k("elect")
+    won = leader_key(name, l1, c.rev(1))
+    return [
+        grant(60, l1, expect="OK"),
+        leader(name, expect="UNKNOWN"),  # election: no leader
+        campaign(name, l1, b"v1", expect="OK"),  # +1
+        leader(name, expect="OK"),
+        campaign(name, l1, b"v1", expect="OK"),  # again, same value: nothing written
+        # again, another value: proclaimed (+2), but the header is the claim's
+        campaign(name, l1, b"v2", expect="OK"),
+        leader(name),
+        proclaim(won, b"v3", expect="OK"),  # +3
+        proclaim(leader_key(name, l1, c.rev(2)), b"v4", expect="UNKNOWN"),  # not leader
+        proclaim(None, b"v4", expect="UNKNOWN"),  # "leader" field must be provided
+        campaign(c.k("other"), c.lease(9), b"x", expect="UNKNOWN"),  # lease not found
+        resign(leader_key(name, l1, c.rev(2)), expect="OK"),  # not the leader: no-op
+        leader(name),
+        resign(won, expect="OK"),  # +4
+        resign(won, expect="OK"),  # nothing left
+        resign(None, expect="UNKNOWN"),
+        leader(name, expect="UNKNOWN"),
+        revoke(l1, expect="OK"),
+    ]
+
+
+# -- watch cases ----------------------------------------------------------------
+#
+# A watch case is a sequence of steps on one Watch stream: requests sent on the
+# stream, and KV calls (each step says how many watch responses it makes etcd
+# send). The runner reads exactly that many responses after each step, then ends
+# with a barrier (a watcher of its own and a put it must see), so a response
+# that should not exist shows up either misaligned in a later step or before
+# the barrier. Within one step, responses are ordered by watch_id: etcd fans one
+# revision out to the watchers of a stream in map order.
+
+WCR = rpc_pb2.WatchCreateRequest
+NOPUT, NODELETE = WCR.NOPUT, WCR.NODELETE
+BARRIER_WATCH_ID = 9_999
+
+
+@dataclass(frozen=True)
+class WStep:
+    """`step` (a KV call, or method "Watch": a WatchRequest sent on the stream)
+    and how many watch responses etcd sends because of it."""
+
+    step: Step
+    responses: int
+
+
+def watch(responses: int = 1, **create: Any) -> WStep:
+    request = rpc_pb2.WatchRequest(create_request=WCR(**create))
+    return WStep(Step("Watch", request), responses)
+
+
+def unwatch(watch_id: int, responses: int = 1) -> WStep:
+    request = rpc_pb2.WatchRequest(cancel_request=rpc_pb2.WatchCancelRequest(watch_id=watch_id))
+    return WStep(Step("Watch", request), responses)
+
+
+def progress(responses: int = 1) -> WStep:
+    request = rpc_pb2.WatchRequest(progress_request=rpc_pb2.WatchProgressRequest())
+    return WStep(Step("Watch", request), responses)
+
+
+def then(step: Step, responses: int = 1) -> WStep:
+    return WStep(step, responses)
+
+
+WatchBuilder = Callable[[Ctx], list[WStep]]
+WATCH_CASES: list[tuple[str, WatchBuilder]] = []
+
+
+def watch_case(fn: WatchBuilder) -> WatchBuilder:
+    WATCH_CASES.append((fn.__name__.removeprefix("wcase_"), fn))
+    return fn
+
+
+@watch_case
+def wcase_key_and_prefix(c: Ctx) -> list[WStep]:
+    a, ab, b = c.k("a"), c.k("ab"), c.k("b")
+    return [
+        watch(key=a, watch_id=1),
+        watch(key=a, range_end=prefix_end(a), watch_id=2),
+        watch(key=c.k(), range_end=b"\x00", watch_id=3),  # from the prefix on
+        then(put(a, b"1"), 3),
+        then(put(ab, b"2"), 2),
+        then(put(b, b"3"), 1),
+        then(put(a, b"4"), 3),
+        then(delete(a), 3),
+        then(delete(a), 0),  # deletes nothing: no event
+        then(delete(c.k(), prefix_end(c.k())), 2),  # ab and b, one response each
+        then(get(a), 0),
+        progress(),
+    ]
+
+
+@watch_case
+def wcase_txn_events(c: Ctx) -> list[WStep]:
+    a, b, d = c.k("a"), c.k("b"), c.k("d")
+    return [
+        watch(key=c.k(), range_end=prefix_end(c.k()), watch_id=1, prev_kv=True),
+        watch(key=b, watch_id=2, prev_kv=True),
+        then(put(a, b"1"), 1),
+        then(put(b, b"1"), 2),
+        # one txn, one response per watcher with all its events, in op order
+        then(txn(success=[op_put(d, b"1"), op_del(a), op_put(b, b"2"), op_get(b)]), 2),
+        then(txn([cmp(a, C.VERSION, C.EQUAL, version=0)], [op_get(a)], [op_put(a, b"x")]), 0),
+        then(
+            txn(success=[op_txn(success=[op_put(a, b"n"), op_del(b)]), op_put(d, b"2")]),
+            2,
+        ),
+    ]
+
+
+@watch_case
+def wcase_prev_kv_and_filters(c: Ctx) -> list[WStep]:
+    a = c.k("a")
+    return [
+        then(put(a, b"0"), 0),
+        watch(key=a, watch_id=1, prev_kv=True),
+        watch(key=a, watch_id=2, filters=[NOPUT]),
+        watch(key=a, watch_id=3, filters=[NODELETE], prev_kv=True),
+        watch(key=a, watch_id=4, filters=[NOPUT, NODELETE]),
+        then(put(a, b"1"), 2),
+        then(put(a, b"", prev_kv=True), 2),  # an empty value
+        then(delete(a), 2),
+        then(put(a, b"2"), 2),  # created again: no prev_kv
+        then(delete(a, prev_kv=True), 2),
+    ]
+
+
+@watch_case
+def wcase_start_revision(c: Ctx) -> list[WStep]:
+    a, b = c.k("a"), c.k("b")
+    end = prefix_end(c.k())
+    return [
+        then(put(a, b"1"), 0),  # +1
+        then(put(b, b"1"), 0),  # +2
+        then(put(a, b"2"), 0),  # +3
+        then(delete(b), 0),  # +4
+        then(txn(success=[op_put(a, b"3"), op_put(b, b"2")]), 0),  # +5
+        # history from +2: one response with every event since
+        watch(2, key=c.k(), range_end=end, start_revision=c.rev(2), watch_id=1, prev_kv=True),
+        watch(2, key=a, start_revision=c.rev(1), watch_id=2),
+        watch(2, key=b, start_revision=c.rev(3), watch_id=3, filters=[NOPUT]),
+        watch(1, key=b, start_revision=c.rev(5), watch_id=4, filters=[NOPUT]),  # none left
+        watch(1, key=a, start_revision=c.rev(6), watch_id=5),  # the next revision
+        # a future start revision: nothing until the store gets there
+        watch(1, key=a, start_revision=c.rev(8), watch_id=6),
+        then(put(a, b"4"), 3),  # +6: watchers 1, 2, 5
+        then(put(b, b"3"), 1),  # +7: watcher 1
+        then(put(a, b"5"), 4),  # +8: watchers 1, 2, 5, 6
+        progress(),
+    ]
+
+
+@watch_case
+def wcase_ids_and_cancel(c: Ctx) -> list[WStep]:
+    a = c.k("a")
+    return [
+        watch(key=a, watch_id=1),
+        watch(key=a),  # auto ids start at 0...
+        watch(key=a),  # ...and skip ids taken: 2
+        watch(key=a, watch_id=1),  # duplicate: created and canceled, watch_id -1
+        watch(key=a, watch_id=7),
+        watch(key=a),  # 3
+        then(put(a, b"1"), 5),
+        unwatch(2),
+        unwatch(2, 0),  # already canceled: etcd answers nothing
+        unwatch(42, 0),  # unknown: nothing either
+        then(put(a, b"2"), 4),
+        unwatch(0),
+        unwatch(7),
+        watch(key=a),  # 4: an auto id is not reused
+        watch(key=a, watch_id=7),  # an explicit one may be
+        then(put(a, b"3"), 4),
+    ]
+
+
+@watch_case
+def wcase_bad_ranges(c: Ctx) -> list[WStep]:
+    a, b = c.k("a"), c.k("b")
+    return [
+        watch(key=b, range_end=a),  # end < key: canceled, "mvcc: watcher range is empty"
+        watch(key=a, range_end=a, watch_id=5),  # end == key: the same
+        watch(key=a, range_end=prefix_end(a), watch_id=5),  # id 5 was not taken
+        watch(key=b""),  # an empty key is "\0": that one key alone
+        watch(key=b"", range_end=b"\x00", watch_id=6, filters=[NODELETE]),  # every key
+        then(put(a, b"1"), 2),
+        then(delete(a), 1),
+        unwatch(6),  # it would see the barrier too
+    ]
+
+
+@watch_case
+def wcase_compacted(c: Ctx) -> list[WStep]:
+    a = c.k("a")
+    return [
+        then(put(a, b"1"), 0),  # +1
+        then(put(a, b"2"), 0),  # +2
+        then(put(a, b"3"), 0),  # +3
+        watch(key=a, watch_id=1),  # synced: compaction does not touch it
+        then(compact(c.rev(2)), 0),
+        # below the compaction: created, then canceled with compact_revision set
+        watch(2, key=a, start_revision=c.rev(1), watch_id=2),
+        # at the compaction revision: the history since
+        watch(2, key=a, start_revision=c.rev(2), watch_id=3),
+        then(put(a, b"4"), 2),
+        progress(),
+    ]
+
+
 # -- running and comparing ----------------------------------------------------
 
 REVISION_FIELDS = {
     "ResponseHeader": {"revision"},
     "KeyValue": {"create_revision", "mod_revision"},
+    "WatchResponse": {"compact_revision"},
+    "LeaderKey": {"rev"},
 }
 DROPPED_HEADER_FIELDS = {"cluster_id", "member_id", "raft_term"}
+TTL_SLACK = 2
+"""Seconds a lease's remaining TTL may have run down while a case ran."""
 
 
 def normalise(msg: Message, base: int) -> dict[str, Any]:
     """The message as nested dicts of its set fields, revisions relative to `base`
     (as "base+N" strings, so 0/unset stays distinguishable) and the member's
-    identity dropped from headers."""
+    identity dropped from headers. A lease's remaining TTL, which depends on
+    when it is asked, becomes "granted" when it is within TTL_SLACK of it, and
+    its keys are sorted."""
     name = msg.DESCRIPTOR.name
     rev_fields = REVISION_FIELDS.get(name, set())
     out: dict[str, Any] = {}
@@ -854,7 +1321,50 @@ def normalise(msg: Message, base: int) -> dict[str, Any]:
             out[fd.name] = list(value)
         else:
             out[fd.name] = value
+    if name == "LeaseTimeToLiveResponse":
+        if "keys" in out:
+            out["keys"].sort()  # etcd lists them in Go map order
+        granted = out.get("grantedTTL", 0)
+        if granted > 0 and granted - TTL_SLACK <= out.get("TTL", 0) <= granted:
+            out["TTL"] = "granted"
     return out
+
+
+@dataclass(frozen=True)
+class Stubs:
+    """The services of one server that cases call."""
+
+    kv: rpc_pb2_grpc.KVStub
+    lease: rpc_pb2_grpc.LeaseStub
+    watch: rpc_pb2_grpc.WatchStub
+    lock: v3lock_pb2_grpc.LockStub
+    election: v3election_pb2_grpc.ElectionStub
+
+    @staticmethod
+    def of(channel: grpc.Channel) -> Stubs:
+        return Stubs(
+            rpc_pb2_grpc.KVStub(channel),
+            rpc_pb2_grpc.LeaseStub(channel),
+            rpc_pb2_grpc.WatchStub(channel),
+            v3lock_pb2_grpc.LockStub(channel),
+            v3election_pb2_grpc.ElectionStub(channel),
+        )
+
+    def call(self, method: str, request: Message) -> Message:
+        if method == "LeaseKeepAlive":
+            responses = self.lease.LeaseKeepAlive(iter([request]), timeout=RPC_TIMEOUT)
+            first: Message = next(responses)
+            responses.cancel()
+            return first
+        stub: Any = self.kv
+        if method.startswith("Lease"):
+            stub = self.lease
+        elif method in ("Lock", "Unlock"):
+            stub = self.lock
+        elif method in ("Campaign", "Leader", "Proclaim", "Resign"):
+            stub = self.election
+        result: Message = getattr(stub, method)(request, timeout=RPC_TIMEOUT)
+        return result
 
 
 def current_revision(stub: rpc_pb2_grpc.KVStub) -> int:
@@ -862,22 +1372,33 @@ def current_revision(stub: rpc_pb2_grpc.KVStub) -> int:
     return int(resp.header.revision)
 
 
-def run_case(stub: rpc_pb2_grpc.KVStub, name: str, build: Builder) -> list[dict[str, Any]]:
+def outcome_of(stubs: Stubs, step: Step, ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    """Call the step's method; its code and normalised response or error."""
+    try:
+        resp = stubs.call(step.method, step.request)
+    except grpc.RpcError as e:
+        code = e.code().name
+        return code, {"code": code, "details": None if step.code_only else e.details()}
+    out = normalise(resp, ctx.base)
+    if step.method == "LeaseLeases":
+        # every lease of the server, in no particular order: this case's, sorted
+        mine = range(ctx.lease(0), ctx.lease(LEASES_PER_CASE))
+        out["leases"] = sorted(
+            (x for x in out.get("leases", []) if x["ID"] in mine), key=lambda x: x["ID"]
+        )
+    return "OK", {"ok": out}
+
+
+def run_case(stubs: Stubs, name: str, build: Builder) -> list[dict[str, Any]]:
     """Run the case on one server; one record per step."""
     index = next(i for i, (n, _) in enumerate(CASES) if n == name)
-    base = current_revision(stub)
-    ctx = Ctx(f"/diff/{index:03d}-{name}/".encode(), base)
+    base = current_revision(stubs.kv)
+    ctx = Ctx(f"/diff/{index:03d}-{name}/".encode(), base, (index + 1) * LEASES_PER_CASE)
     records: list[dict[str, Any]] = []
     before = base
     for i, step in enumerate(build(ctx)):
-        try:
-            resp = getattr(stub, step.method)(step.request, timeout=RPC_TIMEOUT)
-            outcome: dict[str, Any] = {"ok": normalise(resp, base)}
-            code = "OK"
-        except grpc.RpcError as e:
-            code = e.code().name
-            outcome = {"code": code, "details": None if step.code_only else e.details()}
-        after = current_revision(stub)
+        code, outcome = outcome_of(stubs, step, ctx)
+        after = current_revision(stubs.kv)
         if code != "OK":
             assert after == before, (
                 f"step {i} ({step.method}) failed with {outcome} but moved the "
@@ -891,32 +1412,229 @@ def run_case(stub: rpc_pb2_grpc.KVStub, name: str, build: Builder) -> list[dict[
     return records
 
 
+class WatchStreamClient:
+    """One Watch stream: requests go through a queue, a thread reads responses."""
+
+    def __init__(self, stub: rpc_pb2_grpc.WatchStub) -> None:
+        self._requests: queue.Queue[rpc_pb2.WatchRequest | None] = queue.Queue()
+        self._responses: queue.Queue[rpc_pb2.WatchResponse | Exception] = queue.Queue()
+        self._call = stub.Watch(iter(self._requests.get, None))
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            for response in self._call:
+                self._responses.put(response)
+        except grpc.RpcError as e:
+            self._responses.put(e)
+
+    def send(self, request: rpc_pb2.WatchRequest) -> None:
+        self._requests.put(request)
+
+    def next(self, deadline: float) -> rpc_pb2.WatchResponse | None:
+        """The next response, or None if none came by `deadline` (monotonic)."""
+        try:
+            item = self._responses.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return None
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._requests.put(None)
+        self._call.cancel()
+        self._reader.join(timeout=RPC_TIMEOUT)
+
+
+WATCH_STEP_TIMEOUT = 5.0
+BARRIER_KEY = b"/diffw/!barrier"  # below every case's prefix
+
+
+def run_watch_case(stubs: Stubs, name: str, build: WatchBuilder) -> list[dict[str, Any]]:
+    """Run the watch case on one server; one record per step, and one for what
+    arrived up to the barrier."""
+    index = next(i for i, (n, _) in enumerate(WATCH_CASES) if n == name)
+    base = current_revision(stubs.kv)
+    ctx = Ctx(f"/diffw/{index:03d}-{name}/".encode(), base)
+    stream = WatchStreamClient(stubs.watch)
+
+    def read(
+        count: int | None, until: Callable[[rpc_pb2.WatchResponse], bool] = lambda _: False
+    ) -> list[rpc_pb2.WatchResponse]:
+        """`count` responses, or (count None) up to the first for which `until`
+        is true; a timeout is recorded as a made-up response."""
+        deadline = time.monotonic() + WATCH_STEP_TIMEOUT
+        got: list[rpc_pb2.WatchResponse] = []
+        while count is None or len(got) < count:
+            response = stream.next(deadline)
+            if response is None:
+                got.append(rpc_pb2.WatchResponse(cancel_reason="<test: timed out>"))
+                break
+            got.append(response)
+            if count is None and until(response):
+                break
+        return got
+
+    def normalised(got: list[rpc_pb2.WatchResponse]) -> list[dict[str, Any]]:
+        """Sorted by watch id (stable: one watcher's responses keep their order)."""
+        return [normalise(r, base) for r in sorted(got, key=lambda r: r.watch_id)]
+
+    def barrier(r: rpc_pb2.WatchResponse) -> bool:
+        return r.watch_id == BARRIER_WATCH_ID
+
+    records: list[dict[str, Any]] = []
+    try:
+        for i, wstep in enumerate(build(ctx)):
+            step = wstep.step
+            if step.method == "Watch":
+                stream.send(step.request)  # type: ignore[arg-type]
+                record: dict[str, Any] = {"step": i, "method": "Watch"}
+            else:
+                code, outcome = outcome_of(stubs, step, ctx)
+                record = {"step": i, "method": step.method, "code": code, **outcome}
+            record["expect_responses"] = wstep.responses
+            record["responses"] = normalised(read(wstep.responses))
+            record["revision_after"] = f"base{current_revision(stubs.kv) - base:+d}"
+            records.append(record)
+        # the barrier: its watcher (created before the put: etcd registers a
+        # watcher before it answers `created`), then a put it must see
+        stream.send(
+            rpc_pb2.WatchRequest(create_request=WCR(key=BARRIER_KEY, watch_id=BARRIER_WATCH_ID))
+        )
+        got = read(None, barrier)
+        stubs.kv.Put(rpc_pb2.PutRequest(key=BARRIER_KEY), timeout=RPC_TIMEOUT)
+        got += read(None, lambda r: barrier(r) and bool(r.events))
+        records.append({"step": "barrier", "responses": normalised(got)})
+    finally:
+        stream.close()
+    return records
+
+
 @pytest.fixture(scope="module")
-def etcd_kv(etcd: EtcdProcess) -> Iterator[rpc_pb2_grpc.KVStub]:
+def etcd_stubs(etcd: EtcdProcess) -> Iterator[Stubs]:
     with grpc.insecure_channel(etcd.endpoint) as ch:
-        yield rpc_pb2_grpc.KVStub(ch)
+        yield Stubs.of(ch)
 
 
 @pytest.fixture(scope="module")
-def our_kv(server: ServerProcess, channel: grpc.Channel) -> rpc_pb2_grpc.KVStub:
-    return rpc_pb2_grpc.KVStub(channel)
+def our_stubs(server: ServerProcess, channel: grpc.Channel) -> Stubs:
+    return Stubs.of(channel)
+
+
+def compare(reference: list[dict[str, Any]], ours: list[dict[str, Any]]) -> None:
+    assert len(ours) == len(reference)
+    for ref, mine in zip(reference, ours, strict=True):
+        assert mine == ref, (
+            f"step {ref['step']} ({ref.get('method')}) differs from etcd\n"
+            f"etcd: {pformat(ref, width=100)}\nours: {pformat(mine, width=100)}"
+        )
 
 
 @pytest.mark.parametrize(("name", "build"), CASES, ids=[n for n, _ in CASES])
-def test_same_as_etcd(
-    name: str, build: Builder, etcd_kv: rpc_pb2_grpc.KVStub, our_kv: rpc_pb2_grpc.KVStub
-) -> None:
-    reference = run_case(etcd_kv, name, build)
-    ours = run_case(our_kv, name, build)
+def test_same_as_etcd(name: str, build: Builder, etcd_stubs: Stubs, our_stubs: Stubs) -> None:
+    reference = run_case(etcd_stubs, name, build)
+    ours = run_case(our_stubs, name, build)
     for ref in reference:
         if ref["expect"] is not None:
             assert ref["code"] == ref["expect"], (
                 f"the case is stale: etcd answered step {ref['step']} ({ref['method']}) "
                 f"with {ref['code']}, the case expects {ref['expect']}"
             )
-    assert len(ours) == len(reference)
-    for ref, mine in zip(reference, ours, strict=True):
-        assert mine == ref, (
-            f"step {ref['step']} ({ref['method']}) differs from etcd\n"
-            f"etcd: {pformat(ref, width=100)}\nours: {pformat(mine, width=100)}"
+    compare(reference, ours)
+
+
+@pytest.mark.parametrize(("name", "build"), WATCH_CASES, ids=[n for n, _ in WATCH_CASES])
+def test_watch_same_as_etcd(
+    name: str, build: WatchBuilder, etcd_stubs: Stubs, our_stubs: Stubs
+) -> None:
+    reference = run_watch_case(etcd_stubs, name, build)
+    ours = run_watch_case(our_stubs, name, build)
+    for ref in reference:
+        timed_out = [r for r in ref["responses"] if r.get("cancel_reason") == "<test: timed out>"]
+        assert not timed_out, (
+            f"the case is stale: etcd sent fewer watch responses than step {ref['step']} "
+            f"expects: {pformat(ref, width=100)}"
         )
+    barrier = reference[-1]["responses"]
+    assert [r.get("watch_id") for r in barrier] == [BARRIER_WATCH_ID] * 2, (
+        f"the case is stale: etcd sent more than the barrier's responses: {pformat(barrier)}"
+    )
+    compare(reference, ours)
+
+
+def sessions_without_lease(stubs: Stubs, prefix: bytes) -> dict[str, Any]:
+    """Lock and Campaign with no lease, on one server: what they hold, and that
+    two such callers are two sessions (the second Lock waits for the first)."""
+    base = current_revision(stubs.kv)
+    leases: list[int] = []
+
+    def session(key: bytes, name: bytes, revision: int) -> dict[str, Any]:
+        lease = int(key.removeprefix(name + b"/"), 16)
+        leases.append(lease)
+        ttl = stubs.lease.LeaseTimeToLive(
+            rpc_pb2.LeaseTimeToLiveRequest(ID=lease, keys=True), timeout=RPC_TIMEOUT
+        )
+        [kv] = stubs.kv.Range(rpc_pb2.RangeRequest(key=key), timeout=RPC_TIMEOUT).kvs
+        return {
+            "revision": revision - base,
+            "granted_ttl": ttl.grantedTTL,
+            "ttl_ok": ttl.grantedTTL - TTL_SLACK <= ttl.TTL <= ttl.grantedTTL,
+            "lease_holds_just_the_key": list(ttl.keys) == [key],
+            "key_has_the_lease": kv.lease == lease,
+        }
+
+    out: dict[str, Any] = {}
+    name = prefix + b"mutex"
+    first = stubs.lock.Lock(v3lock_pb2.LockRequest(name=name), timeout=RPC_TIMEOUT)
+    out["first"] = session(first.key, name, first.header.revision)
+    second = stubs.lock.Lock.future(v3lock_pb2.LockRequest(name=name), timeout=RPC_TIMEOUT)
+    try:
+        held = rpc_pb2.RangeRequest(key=name + b"/", range_end=prefix_end(name + b"/"))
+        deadline = time.monotonic() + WATCH_STEP_TIMEOUT
+        while stubs.kv.Range(held, timeout=RPC_TIMEOUT).count < 2 and not second.done():
+            assert time.monotonic() < deadline, "the second Lock wrote no key"
+        out["second_waits"] = not second.done()
+        stubs.lock.Unlock(v3lock_pb2.UnlockRequest(key=first.key), timeout=RPC_TIMEOUT)
+        got = second.result(timeout=RPC_TIMEOUT)
+    finally:
+        second.cancel()
+    out["second"] = session(got.key, name, got.header.revision)
+    stubs.lock.Unlock(v3lock_pb2.UnlockRequest(key=got.key), timeout=RPC_TIMEOUT)
+
+    elect = prefix + b"elect"
+    won = stubs.election.Campaign(
+        v3election_pb2.CampaignRequest(name=elect, value=b"v"), timeout=RPC_TIMEOUT
+    )
+    out["campaign"] = session(won.leader.key, elect, won.header.revision)
+    out["campaign"]["leader_lease"] = won.leader.lease == leases[-1]
+    stubs.election.Resign(v3election_pb2.ResignRequest(leader=won.leader), timeout=RPC_TIMEOUT)
+    out["three_sessions"] = len(set(leases)) == 3
+    for lease in leases:
+        stubs.lease.LeaseRevoke(rpc_pb2.LeaseRevokeRequest(ID=lease), timeout=RPC_TIMEOUT)
+    return out
+
+
+def test_lock_and_campaign_without_lease(etcd_stubs: Stubs, our_stubs: Stubs) -> None:
+    """etcd's Lock and Campaign take a request without a lease as a session of
+    their own: they grant a lease (60s, never kept alive) and hold the key with
+    it, so two such callers do not share a key, and such a lock expires."""
+    session = {
+        "granted_ttl": 60,
+        "ttl_ok": True,
+        "lease_holds_just_the_key": True,
+        "key_has_the_lease": True,
+    }
+    expected = {
+        "first": {"revision": 1, **session},  # the lock's put
+        "second_waits": True,
+        # its put (+2), the first's unlock (+3): then the read of its key
+        "second": {"revision": 3, **session},
+        # the second's unlock (+4), the claim (+5)
+        "campaign": {"revision": 5, "leader_lease": True, **session},
+        "three_sessions": True,
+    }
+    prefix = b"/diffs/no-lease/"
+    assert sessions_without_lease(etcd_stubs, prefix) == expected, "etcd disagrees"
+    assert sessions_without_lease(our_stubs, prefix) == expected

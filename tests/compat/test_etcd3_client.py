@@ -4,7 +4,7 @@ etcd3 cannot be imported here (its generated protos clash with ours in the
 protobuf descriptor pool, and it needs the pure-Python protobuf runtime), so
 `etcd3_scenarios.py` runs the scenarios in a child process and prints JSON. It runs
 once per server per module, all scenarios in one process (each start of the pure
-Python protobuf runtime costs about a second).
+Python protobuf runtime costs about a second), the two servers' runs side by side.
 
 Each test checks one scenario three ways: it did not raise in the client, our
 server's output is exactly the expected data, and real etcd's output is the same
@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,33 +32,59 @@ SCRIPT = Path(__file__).with_name("etcd3_scenarios.py")
 SCRIPT_TIMEOUT = 120.0
 
 
-def run_scenarios(endpoint: str, *names: str) -> dict[str, Any]:
+def start_scenarios(endpoint: str, *names: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}
     # the child must not import our etcdserverpb by accident: run it from its
     # own directory, with no PYTHONPATH pointing at the repository
     env.pop("PYTHONPATH", None)
-    proc = subprocess.run(
+    return subprocess.Popen(
         [sys.executable, str(SCRIPT), endpoint, *(names or ("all",))],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=SCRIPT_TIMEOUT,
         env=env,
         cwd=SCRIPT.parent,
-        check=False,
     )
-    assert proc.returncode == 0, f"etcd3_scenarios.py failed:\n{proc.stderr}"
-    result: dict[str, Any] = json.loads(proc.stdout)
+
+
+def finish_scenarios(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate(timeout=SCRIPT_TIMEOUT)
+        raise
+    assert proc.returncode == 0, f"etcd3_scenarios.py failed:\n{stderr}"
+    result: dict[str, Any] = json.loads(stdout)
     return result
 
 
 @pytest.fixture(scope="module")
-def ours(server: ServerProcess) -> dict[str, Any]:
-    return run_scenarios(server.endpoint)
+def outputs(server: ServerProcess, etcd: EtcdProcess) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every scenario against both servers, the two runs side by side (each
+    costs seconds: the pure-Python protobuf runtime, and lease expiries)."""
+    procs = [start_scenarios(server.endpoint), start_scenarios(etcd.endpoint)]
+    deadline = time.monotonic() + SCRIPT_TIMEOUT
+    try:
+        ours, reference = (
+            finish_scenarios(p, max(1.0, deadline - time.monotonic())) for p in procs
+        )
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=SCRIPT_TIMEOUT)
+    return ours, reference
 
 
 @pytest.fixture(scope="module")
-def reference(etcd: EtcdProcess) -> dict[str, Any]:
-    return run_scenarios(etcd.endpoint)
+def ours(outputs: tuple[dict[str, Any], dict[str, Any]]) -> dict[str, Any]:
+    return outputs[0]
+
+
+@pytest.fixture(scope="module")
+def reference(outputs: tuple[dict[str, Any], dict[str, Any]]) -> dict[str, Any]:
+    return outputs[1]
 
 
 def result_of(outputs: dict[str, Any], name: str) -> Any:
@@ -354,3 +381,224 @@ def test_members(ours: dict[str, Any], server: ServerProcess, reference: dict[st
     ]
     ref = result_of(reference, "members")
     assert [m["id"] for m in ref["members"]] == [ref["member_id"]]
+
+
+# -- Watch ----------------------------------------------------------------------
+
+
+def ev(
+    scenario: str,
+    key: str,
+    value: str,
+    version: int,
+    create: int,
+    mod: int,
+    **prev: Any,
+) -> dict[str, Any]:
+    """An event as the scenarios report it: a delete has version 0, create 0."""
+    out = {
+        "type": "PutEvent" if version else "DeleteEvent",
+        "key": P(scenario, key),
+        "value": value,
+        "version": version,
+        "create_revision": create,
+        "mod_revision": mod,
+    }
+    out.update(prev)
+    return out
+
+
+def test_watch(ours: dict[str, Any], reference: dict[str, Any]) -> None:
+    check(
+        "watch",
+        ours,
+        reference,
+        {
+            "events": [
+                ev("watch", "a", "1", 1, 1, 1),
+                # +2 is the put of another key
+                ev("watch", "a", "2", 2, 1, 3),
+                ev("watch", "a", "", 0, 0, 4),
+                ev("watch", "a", "3", 1, 5, 5),  # a new generation
+            ],
+            "error": "None",
+            "after_cancel": [],
+        },
+    )
+
+
+def test_watch_prefix(ours: dict[str, Any], reference: dict[str, Any]) -> None:
+    def e(key: str, value: str, version: int, create: int, mod: int, prev: str, pmod: int) -> Any:
+        return ev(
+            "watch_prefix",
+            key,
+            value,
+            version,
+            create,
+            mod,
+            prev_value=prev,
+            prev_mod_revision=pmod,
+        )
+
+    check(
+        "watch_prefix",
+        ours,
+        reference,
+        {
+            "events": [
+                e("p/a", "1", 1, 1, 1, "", 0),  # a create: no previous
+                e("p/b", "2", 1, 3, 3, "", 0),  # +2 is outside the prefix
+                e("p/a", "3", 2, 1, 4, "1", 1),
+                # one delete of the prefix: both events at +5, in key order
+                e("p/a", "", 0, 0, 5, "3", 4),
+                e("p/b", "", 0, 0, 5, "2", 3),
+            ],
+            "error": "None",
+        },
+    )
+
+
+def test_watch_start_revision(ours: dict[str, Any], reference: dict[str, Any]) -> None:
+    s = "watch_start_revision"
+    check(
+        s,
+        ours,
+        reference,
+        {
+            "history": [
+                ev(s, "a", "2", 2, 1, 2),
+                ev(s, "a", "", 0, 0, 3),
+                ev(s, "a", "3", 1, 4, 4),
+            ],
+            "live": [ev(s, "a", "4", 2, 4, 5)],
+            # started at +7: the put at +6 is not delivered
+            "ahead": [ev(s, "a", "6", 4, 4, 7)],
+            "once": ev(s, "a", "1", 1, 1, 1),
+            "once_times_out": {"type": "WatchTimedOut", "message": ""},
+        },
+    )
+
+
+def test_watch_callback_and_cancel(ours: dict[str, Any], reference: dict[str, Any]) -> None:
+    s = "watch_callback"
+    check(
+        s,
+        ours,
+        reference,
+        {
+            "first_done": True,
+            # one response per put, header at the put's revision
+            "first": [
+                {"revision": 1, "events": [ev(s, "a", "1", 1, 1, 1)]},
+                {"revision": 2, "events": [ev(s, "a", "2", 2, 1, 2)]},
+            ],
+            # the first watch was canceled before the third put
+            "second_done": True,
+            "second": [{"revision": 3, "events": [ev(s, "a", "3", 3, 1, 3)]}],
+        },
+    )
+
+
+def test_watch_compacted(ours: dict[str, Any], reference: dict[str, Any]) -> None:
+    s = "watch_compacted"
+    check(
+        s,
+        ours,
+        reference,
+        {
+            "events": [],
+            "error": "RevisionCompactedError",
+            "compacted_revision": 2,
+            "from_compacted": [ev(s, "a", "2", 2, 1, 2), ev(s, "a", "3", 3, 1, 3)],
+        },
+    )
+
+
+# -- Lease ----------------------------------------------------------------------
+
+
+def test_lease(ours: dict[str, Any], reference: dict[str, Any]) -> None:
+    not_found = {
+        "type": "RpcError",
+        "code": "NOT_FOUND",
+        "details": "etcdserver: requested lease not found",
+    }
+    check(
+        "lease",
+        ours,
+        reference,
+        {
+            "id_positive": True,
+            "ttl": 60,
+            "granted_ttl": 60,
+            "remaining_ttl_ok": True,
+            "keys": [P("lease", "a"), P("lease", "b")],
+            "meta_lease": True,
+            "refresh": [[True, 60]],
+            "revoke_revisions": 1,
+            "after_revoke": {
+                "remaining_ttl": -1,
+                "granted_ttl": 0,
+                "keys": [],
+                "left": [["3", P("lease", "c"), 1, 3]],
+                "refresh": [[True, 0]],  # a keepalive of an unknown lease: TTL 0
+            },
+            "revoke_again": not_found,
+            "put_with_revoked": not_found,
+            "explicit": [True, 30],
+            # FAILED_PRECONDITION, which etcd3 turns into PreconditionFailedError
+            "explicit_again": {"type": "PreconditionFailedError", "message": ""},
+            "minimum_ttl": 2,  # etcd's minimum with its default timing
+            "too_large": {
+                "type": "RpcError",
+                "code": "OUT_OF_RANGE",
+                "details": "etcdserver: too large lease TTL",
+            },
+        },
+    )
+
+
+def test_lease_expiry(ours: dict[str, Any], reference: dict[str, Any]) -> None:
+    check(
+        "lease_expiry",
+        ours,
+        reference,
+        {
+            "granted": 2,
+            "written": 3,
+            "after_expiry": 4,  # both keys deleted in one revision
+            "left": [["3", P("lease_expiry", "c"), 1, 3]],
+            "remaining_ttl": -1,
+            "keys": [],
+        },
+    )
+
+
+# -- Lock (etcd3's own recipe over KV and Lease) --------------------------------
+
+
+def test_locks(ours: dict[str, Any], reference: dict[str, Any]) -> None:
+    check(
+        "locks",
+        ours,
+        reference,
+        {
+            "first_acquire": True,
+            "held": {
+                "is_acquired": [True, False],
+                "value_is_first_uuid": True,
+                "lease_is_first_lease": True,
+                "granted_ttl": 10,
+                "refresh": [10],
+            },
+            "second_acquire_while_held": "had to wait",
+            "second_after_attempt": False,
+            "first_release": True,
+            "first_release_again": False,
+            "second_acquire": True,
+            "after_handover": [False, True],
+            "second_release": True,
+            "context_manager": True,
+            "after_context": None,
+        },
+    )

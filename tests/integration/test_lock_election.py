@@ -63,7 +63,7 @@ def test_lock_with_unknown_lease_fails_like_etcd(channel: grpc.Channel) -> None:
         v3lock_pb2_grpc.LockStub(channel).Lock(
             v3lock_pb2.LockRequest(name=b"x", lease=424242), timeout=10
         )
-    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert err.value.code() == grpc.StatusCode.UNKNOWN
     assert err.value.details() == "etcdserver: requested lease not found"
 
 
