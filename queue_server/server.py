@@ -35,6 +35,7 @@ from queue_server.compactor import CompactionPlanner, parse_retention, run_compa
 from queue_server.config import GRPC_OVERHEAD_BYTES, Config
 from queue_server.errors import EtcdError, LeaseNotFound
 from queue_server.lease.expiry import ExpiryClock
+from queue_server.lease.ids import lease_ids
 from queue_server.mq.dispatcher import Dispatcher
 from queue_server.mvcc.store import Event
 from queue_server.quota import QuotaGuard
@@ -181,8 +182,15 @@ class Server:
         )
         rpc_pb2_grpc.add_ClusterServicer_to_server(ClusterService(member, header), server)
         self.watch_hub = WatchHub(lambda: self.state.store, cfg.max_request_bytes)
+        ids = lease_ids(member_id)
+        lessor = self.state.lessor
         self.dispatcher = Dispatcher(
-            lambda: self.state.store, self.state.queues, cfg.name, self.log.propose, self._spawn
+            lambda: self.state.store,
+            self.state.queues,
+            cfg.name,
+            self.log.propose,
+            self._spawn,
+            new_lease_id=lambda: ids.next(lessor.leases),
         )
         self.dispatcher.rebuild()
         self.watch_hub.queue_consumers = self.dispatcher
@@ -195,7 +203,7 @@ class Server:
         self.state.commit_listener = on_commit
         rpc_pb2_grpc.add_WatchServicer_to_server(WatchService(self.watch_hub, header), server)
         rpc_pb2_grpc.add_LeaseServicer_to_server(
-            LeaseService(self.state, writes, self.expiry, header), server
+            LeaseService(self.state, writes, self.expiry, header, self.dispatcher), server
         )
         recipes = LocalClient(self.state, writes, self.watch_hub)
         v3lock_pb2_grpc.add_LockServicer_to_server(LockService(recipes, header), server)

@@ -19,8 +19,8 @@ from grpc import aio
 from etcdserverpb import rpc_pb2, v3election_pb2, v3election_pb2_grpc
 from queue_server.api.errors import abort_unknown
 from queue_server.api.header import HeaderFiller
-from queue_server.api.lease import lease_ids
 from queue_server.errors import EtcdError
+from queue_server.lease.ids import lease_ids
 from queue_server.recipes.local_client import LocalClient
 from queue_server.recipes.mutex import (
     SessionExpired,

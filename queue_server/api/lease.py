@@ -2,13 +2,16 @@
 
 Grant and Revoke change replicated state, so they go through the log. KeepAlive
 and TimeToLive touch only the node's expiry clock, as in etcd, where keepalives
-reach the leader's lessor and never the raft log.
+reach the leader's lessor and never the raft log. The queue dispatcher's delivery
+leases (the ack deadline of a delivered message) answer KeepAlive, TimeToLive and
+Revoke here too, so any etcd client can extend or give back a delivery.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 from grpc import aio
 
@@ -18,37 +21,20 @@ from queue_server.api.header import HeaderFiller
 from queue_server.apply import Proposer, StateMachine
 from queue_server.errors import EtcdError
 from queue_server.lease.expiry import ExpiryClock
+from queue_server.lease.ids import lease_ids
 
 Context = aio.ServicerContext[object, object]
 
 
-class LeaseIdGenerator:
-    """Server-chosen lease ids in etcd's shape: the member id's low 16 bits, then
-    a millisecond timestamp and a counter, kept positive and unique."""
+class DeliveryLeases(Protocol):
+    """Leases that are not in the lease table: the queue dispatcher's delivery
+    leases (a delivery's ack deadline, extendable like any lease)."""
 
-    def __init__(self, member_id: int) -> None:
-        self._prefix = (member_id & 0xFFFF) << 48
-        self._suffix = (int(time.time() * 1000) << 8) & ((1 << 48) - 1)
+    def keep_alive(self, lease_id: int, now: float) -> int | None: ...
 
-    def next(self, taken: dict[int, object]) -> int:
-        while True:
-            self._suffix = (self._suffix + 1) & ((1 << 48) - 1)
-            lease_id = (self._prefix | self._suffix) & ((1 << 63) - 1)
-            if lease_id and lease_id not in taken:
-                return lease_id
+    def time_to_live(self, lease_id: int, now: float) -> tuple[int, int, bytes] | None: ...
 
-
-_SHARED_IDS: dict[int, LeaseIdGenerator] = {}
-
-
-def lease_ids(member_id: int) -> LeaseIdGenerator:
-    """The member's one lease id generator, shared by every service that grants
-    leases (Lease, and Lock/Election for requests without a lease), so that two
-    of them never pick the same id."""
-    ids = _SHARED_IDS.get(member_id)
-    if ids is None:
-        ids = _SHARED_IDS[member_id] = LeaseIdGenerator(member_id)
-    return ids
+    def revoke(self, lease_id: int) -> bool: ...
 
 
 class LeaseService(rpc_pb2_grpc.LeaseServicer):
@@ -60,11 +46,13 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
         log: Proposer,
         expiry: ExpiryClock,
         header: HeaderFiller,
+        deliveries: DeliveryLeases | None = None,
     ) -> None:
         self.state = state
         self.log = log
         self.expiry = expiry
         self.header = header
+        self.deliveries = deliveries
         self.ids = lease_ids(header.member_id)
 
     async def _propose(self, command: internal_pb2.Command, context: Context) -> object:
@@ -82,20 +70,34 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
     ) -> rpc_pb2.LeaseGrantResponse:
         command = internal_pb2.Command(lease_grant=request)
         if request.ID == 0:
-            command.lease_grant.ID = self.ids.next(self.state.lessor.leases)  # type: ignore[arg-type]
+            command.lease_grant.ID = self.ids.next(self.state.lessor.leases)
         return await self._propose(command, context)  # type: ignore[return-value]
 
     async def LeaseRevoke(
         self, request: rpc_pb2.LeaseRevokeRequest, context: Context
     ) -> rpc_pb2.LeaseRevokeResponse:
+        if (
+            request.ID not in self.state.lessor.leases
+            and self.deliveries is not None
+            and self.deliveries.revoke(request.ID)
+        ):
+            resp = rpc_pb2.LeaseRevokeResponse()  # a delivery given back: no log entry
+            self.header.fill(resp.header)
+            return resp
         return await self._propose(internal_pb2.Command(lease_revoke=request), context)  # type: ignore[return-value]
 
     async def LeaseKeepAlive(
         self, request_iterator: AsyncIterator[rpc_pb2.LeaseKeepAliveRequest], context: Context
     ) -> AsyncIterator[rpc_pb2.LeaseKeepAliveResponse]:
         leases = self.state.lessor.leases
+        deliveries = self.deliveries
         async for request in request_iterator:
-            ttl = self.expiry.keep_alive(request.ID) if request.ID in leases else 0
+            if request.ID in leases:
+                ttl = self.expiry.keep_alive(request.ID)
+            elif deliveries is not None:
+                ttl = deliveries.keep_alive(request.ID, time.monotonic()) or 0
+            else:
+                ttl = 0
             resp = rpc_pb2.LeaseKeepAliveResponse(ID=request.ID, TTL=ttl)
             self.header.fill(resp.header)
             yield resp
@@ -105,7 +107,14 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
     ) -> rpc_pb2.LeaseTimeToLiveResponse:
         lease = self.state.lessor.leases.get(request.ID)
         resp = rpc_pb2.LeaseTimeToLiveResponse(ID=request.ID)
-        if lease is None:
+        delivery = None
+        if lease is None and self.deliveries is not None:
+            delivery = self.deliveries.time_to_live(request.ID, time.monotonic())
+        if delivery is not None:
+            resp.TTL, resp.grantedTTL, key = delivery
+            if request.keys and key:
+                resp.keys.append(key)
+        elif lease is None:
             resp.TTL = -1  # etcd answers an unknown lease with TTL -1, not an error
         else:
             resp.TTL = self.expiry.remaining(request.ID)

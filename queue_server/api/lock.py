@@ -17,8 +17,8 @@ from grpc import aio
 from etcdserverpb import v3lock_pb2, v3lock_pb2_grpc
 from queue_server.api.errors import abort_unknown
 from queue_server.api.header import HeaderFiller
-from queue_server.api.lease import lease_ids
 from queue_server.errors import EmptyKey, EtcdError
+from queue_server.lease.ids import lease_ids
 from queue_server.recipes.local_client import LocalClient
 from queue_server.recipes.mutex import SessionExpired, claim_and_wait, session_lease
 

@@ -69,6 +69,7 @@ class Consumer:
     watcher: Watcher
     held: dict[int, bytes] = field(default_factory=dict)  # idx -> message key
     deadlines: dict[int, float] = field(default_factory=dict)  # idx -> ack deadline
+    leases: dict[int, int] = field(default_factory=dict)  # idx -> delivery lease id
     stuck_since: float | None = None
     stuck_head: object = None
 
@@ -96,6 +97,7 @@ class Dispatcher:
         propose: Propose,
         spawn: Spawn,
         clock: Callable[[], float] = time.monotonic,
+        new_lease_id: Callable[[], int] | None = None,
     ) -> None:
         self._store_of = store_of
         self.queues = queues
@@ -103,6 +105,9 @@ class Dispatcher:
         self.propose = propose
         self.spawn = spawn
         self.clock = clock
+        self.new_lease_id = new_lease_id
+        # delivery leases: lease id -> (consumer, idx) of a delivery under an ack deadline
+        self.delivery_leases: dict[int, tuple[Consumer, int]] = {}
         self.runtimes: dict[bytes, QueueRuntime] = {}
         self.by_watcher: dict[Watcher, Consumer] = {}
         self.delivered = 0
@@ -173,7 +178,7 @@ class Dispatcher:
         returned: dict[int, bytes] = {}
         for idx in idxs:
             key = consumer.held.pop(idx, None)
-            consumer.deadlines.pop(idx, None)
+            self._release(consumer, idx)
             if key is not None and rt.holder.get(idx) is consumer:
                 del rt.holder[idx]
                 returned[idx] = key
@@ -232,7 +237,7 @@ class Dispatcher:
                         holder = rt.holder.pop(qk.idx, None)
                         if holder is not None:
                             holder.held.pop(qk.idx, None)
-                            holder.deadlines.pop(qk.idx, None)
+                            self._release(holder, qk.idx)
                             touched.add(rt)
                 elif e.prev_kv is None:
                     rt.pending[qk.idx] = key
@@ -250,7 +255,7 @@ class Dispatcher:
         q = self.queues.queues.get(rt.name)
         prefetch = q.settings.prefetch if q is not None else 1
         deadline = q.settings.ack_deadline if q is not None else 0.0
-        batches: dict[Consumer, list[bytes]] = {}
+        batches: dict[Consumer, list[tuple[bytes, int]]] = {}
         consumers = rt.consumers
         n = len(consumers)
         without_room = 0
@@ -265,21 +270,29 @@ class Dispatcher:
             without_room = 0
             idx, key = pending.popitem(0)
             c.held[idx] = key
+            lease_id = 0
             if deadline:
                 c.deadlines[idx] = now + deadline
+                if self.new_lease_id is not None:
+                    lease_id = self.new_lease_id()
+                    c.leases[idx] = lease_id
+                    self.delivery_leases[lease_id] = (c, idx)
             rt.holder[idx] = c
-            batches.setdefault(c, []).append(key)
+            batches.setdefault(c, []).append((key, lease_id))
         store = self._store_of()
         for c, message_keys in batches.items():
             self._deliver(c, store, message_keys)
 
-    def _deliver(self, consumer: Consumer, store: MVCCStore, message_keys: list[bytes]) -> None:
+    def _deliver(
+        self, consumer: Consumer, store: MVCCStore, message_keys: list[tuple[bytes, int]]
+    ) -> None:
         """Push the messages to the consumer's stream: one WatchResponse, or more
-        when they would carry over DELIVERY_RESPONSE_BYTES."""
+        when they would carry over DELIVERY_RESPONSE_BYTES. A delivery under an
+        ack deadline carries its delivery lease instead of the message's own."""
         response = rpc_pb2.WatchResponse(watch_id=consumer.watcher.watch_id)
         response.header.revision = store.revision
         size = 0
-        for key in message_keys:
+        for key, delivery_lease in message_keys:
             kv = store.get(key)
             if kv is None:  # pragma: no cover - deletes leave pending before this
                 continue
@@ -298,12 +311,60 @@ class Dispatcher:
             dst.mod_revision = kv.mod_revision
             dst.version = kv.version
             dst.value = kv.value
-            if kv.lease:
-                dst.lease = kv.lease
+            if delivery_lease or kv.lease:
+                dst.lease = delivery_lease or kv.lease
             size += entry
         if response.events:
             self.delivered += len(response.events)
             consumer.watcher.stream.push(response, size)
+
+    def _release(self, consumer: Consumer, idx: int) -> None:
+        """Forget the deadline and delivery lease of a message the consumer no
+        longer holds."""
+        consumer.deadlines.pop(idx, None)
+        lease_id = consumer.leases.pop(idx, None)
+        if lease_id is not None:
+            self.delivery_leases.pop(lease_id, None)
+
+    # -- delivery leases: the ack deadline as an etcd lease -----------------------
+
+    def _delivery(self, lease_id: int) -> tuple[Consumer, int, float] | None:
+        found = self.delivery_leases.get(lease_id)
+        if found is None:
+            return None
+        consumer, idx = found
+        q = self.queues.queues.get(consumer.queue)
+        ttl = q.settings.ack_deadline if q is not None else 0.0
+        return consumer, idx, ttl
+
+    def keep_alive(self, lease_id: int, now: float) -> int | None:
+        """LeaseKeepAlive on a delivery lease: the ack deadline starts over.
+        Returns the TTL, or None if `lease_id` is not a delivery lease."""
+        found = self._delivery(lease_id)
+        if found is None:
+            return None
+        consumer, idx, ttl = found
+        consumer.deadlines[idx] = now + ttl
+        return max(1, round(ttl))
+
+    def time_to_live(self, lease_id: int, now: float) -> tuple[int, int, bytes] | None:
+        """(remaining s, granted s, message key) of a delivery lease, or None."""
+        found = self._delivery(lease_id)
+        if found is None:
+            return None
+        consumer, idx, ttl = found
+        remaining = max(0, int(consumer.deadlines.get(idx, now) - now))
+        return remaining, max(1, round(ttl)), consumer.held.get(idx, b"")
+
+    def revoke(self, lease_id: int) -> bool:
+        """LeaseRevoke on a delivery lease: the consumer gives the message back
+        now (a negative acknowledgement). False if not a delivery lease."""
+        found = self.delivery_leases.get(lease_id)
+        if found is None:
+            return False
+        consumer, idx = found
+        self._give_back(self.runtime(consumer.queue), consumer, [idx])
+        return True
 
     # -- time -------------------------------------------------------------------
 

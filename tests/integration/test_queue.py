@@ -883,6 +883,48 @@ def test_ack_deadline_redelivers_then_dead_letters(
         graveyard.close()
 
 
+def test_ack_deadline_is_a_lease_any_etcd_client_can_keep_alive_or_revoke(
+    channel: grpc.Channel, kv: rpc_pb2_grpc.KVStub
+) -> None:
+    """A delivery under an ack deadline carries a lease: LeaseKeepAlive holds the
+    message past the deadline, TimeToLive names its key, LeaseRevoke gives it
+    back at once (a negative acknowledgement), and letting it lapse redelivers."""
+    name = b"leased-acks"
+    configure(kv, name, ack_deadline=2)
+    leases = rpc_pb2_grpc.LeaseStub(channel)
+    stream, _, _ = consume(channel, name)
+    try:
+        produce(kv, name, b"m")
+        (first,) = stream.events(1)
+        lease = first.kv.lease
+        assert lease
+        ttl = leases.LeaseTimeToLive(
+            rpc_pb2.LeaseTimeToLiveRequest(ID=lease, keys=True), timeout=WAIT
+        )
+        assert ttl.grantedTTL == 2 and list(ttl.keys) == [first.kv.key]
+        # kept alive for twice the deadline: nothing comes back meanwhile
+        end = time.monotonic() + 4.0
+        while time.monotonic() < end:
+            answer = list(
+                leases.LeaseKeepAlive(iter([rpc_pb2.LeaseKeepAliveRequest(ID=lease)]), timeout=WAIT)
+            )
+            assert answer[0].TTL == 2
+            time.sleep(0.5)  # the keepalive cadence, not synchronisation
+        # without the keepalives a redelivery would have arrived after 2 s
+        assert stream.responses.empty()
+        leases.LeaseRevoke(rpc_pb2.LeaseRevokeRequest(ID=lease), timeout=WAIT)
+        (again,) = stream.events(1)
+        assert again.kv.key == first.kv.key and again.kv.lease not in (0, lease)
+        gone = leases.LeaseTimeToLive(rpc_pb2.LeaseTimeToLiveRequest(ID=lease), timeout=WAIT)
+        assert gone.TTL == -1
+        # left to lapse, it is delivered once more; then acked for good
+        (third,) = stream.events(1, timeout=WAIT)
+        assert third.kv.key == first.kv.key
+        assert ack(kv, third.kv.key) == 1
+    finally:
+        stream.close()
+
+
 def test_consumer_that_does_not_read_is_dropped_after_5s(
     server: ServerProcess, channel: grpc.Channel, kv: rpc_pb2_grpc.KVStub
 ) -> None:

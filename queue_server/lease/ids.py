@@ -1,0 +1,37 @@
+"""Server-chosen lease ids: one generator per member, shared by everything that
+grants leases (the Lease service, Lock/Election for requests without a lease,
+and the queue dispatcher's delivery leases), so no two ever pick the same id."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Container
+
+
+class LeaseIdGenerator:
+    """Server-chosen lease ids in etcd's shape: the member id's low 16 bits, then
+    a millisecond timestamp and a counter, kept positive and unique."""
+
+    def __init__(self, member_id: int) -> None:
+        self._prefix = (member_id & 0xFFFF) << 48
+        self._suffix = (int(time.time() * 1000) << 8) & ((1 << 48) - 1)
+
+    def next(self, taken: Container[int]) -> int:
+        while True:
+            self._suffix = (self._suffix + 1) & ((1 << 48) - 1)
+            lease_id = (self._prefix | self._suffix) & ((1 << 63) - 1)
+            if lease_id and lease_id not in taken:
+                return lease_id
+
+
+_SHARED_IDS: dict[int, LeaseIdGenerator] = {}
+
+
+def lease_ids(member_id: int) -> LeaseIdGenerator:
+    """The member's one lease id generator, shared by every service that grants
+    leases (Lease, and Lock/Election for requests without a lease), so that two
+    of them never pick the same id."""
+    ids = _SHARED_IDS.get(member_id)
+    if ids is None:
+        ids = _SHARED_IDS[member_id] = LeaseIdGenerator(member_id)
+    return ids
