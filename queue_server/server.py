@@ -29,6 +29,7 @@ from queue_server.api.kv import KVService
 from queue_server.api.lease import LeaseService
 from queue_server.api.lock import LockService
 from queue_server.api.maintenance import ClusterService, MaintenanceService, MemberInfo
+from queue_server.api.registry import GenericHandlersOnly
 from queue_server.api.watch import WatchService, run_progress_notifier
 from queue_server.apply import StateMachine
 from queue_server.compactor import CompactionPlanner, parse_retention, run_compactor
@@ -167,8 +168,9 @@ class Server:
         )
         server = aio.server(options=self._grpc_options())
         writes = QuotaGuard(self.log, self.state, cfg.quota_backend_bytes, member_id)
+        services = GenericHandlersOnly(server)
         rpc_pb2_grpc.add_KVServicer_to_server(
-            KVService(self.state, writes, header, cfg.max_txn_ops), server
+            KVService(self.state, writes, header, cfg.max_txn_ops), services
         )
         rpc_pb2_grpc.add_MaintenanceServicer_to_server(
             MaintenanceService(
@@ -178,9 +180,9 @@ class Server:
                 lambda: _dir_size(cfg.data_dir),
                 self.log.snapshot_now,
             ),
-            server,
+            services,
         )
-        rpc_pb2_grpc.add_ClusterServicer_to_server(ClusterService(member, header), server)
+        rpc_pb2_grpc.add_ClusterServicer_to_server(ClusterService(member, header), services)
         self.watch_hub = WatchHub(lambda: self.state.store, cfg.max_request_bytes)
         ids = lease_ids(member_id)
         lessor = self.state.lessor
@@ -201,13 +203,15 @@ class Server:
             dispatcher_on_commit(revision, events)
 
         self.state.commit_listener = on_commit
-        rpc_pb2_grpc.add_WatchServicer_to_server(WatchService(self.watch_hub, header), server)
+        rpc_pb2_grpc.add_WatchServicer_to_server(WatchService(self.watch_hub, header), services)
         rpc_pb2_grpc.add_LeaseServicer_to_server(
-            LeaseService(self.state, writes, self.expiry, header, self.dispatcher), server
+            LeaseService(self.state, writes, self.expiry, header, self.dispatcher), services
         )
         recipes = LocalClient(self.state, writes, self.watch_hub)
-        v3lock_pb2_grpc.add_LockServicer_to_server(LockService(recipes, header), server)
-        v3election_pb2_grpc.add_ElectionServicer_to_server(ElectionService(recipes, header), server)
+        v3lock_pb2_grpc.add_LockServicer_to_server(LockService(recipes, header), services)
+        v3election_pb2_grpc.add_ElectionServicer_to_server(
+            ElectionService(recipes, header), services
+        )
         for address in cfg.listen_addresses():
             try:
                 port = server.add_insecure_port(address)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from grpc import aio
 
 from etcdserverpb import internal_pb2, rpc_pb2, rpc_pb2_grpc
-from queue_server.api.errors import abort
+from queue_server.api.errors import abort, propose_or_abort
 from queue_server.api.header import HeaderFiller
 from queue_server.apply import Proposer, StateMachine
 from queue_server.errors import EtcdError
@@ -33,14 +33,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
         self.max_txn_ops = max_txn_ops
 
     async def _propose(self, command: internal_pb2.Command, context: Context) -> object:
-        try:
-            result = await self.log.propose(command)
-        except EtcdError as e:
-            await abort(context, e)
-        if isinstance(result, EtcdError):
-            await abort(context, result)
-        self.header.fill(result.header)  # type: ignore[attr-defined]
-        return result
+        return await propose_or_abort(self.log, command, context, self.header)
 
     async def Range(self, request: rpc_pb2.RangeRequest, context: Context) -> rpc_pb2.RangeResponse:
         try:

@@ -16,10 +16,9 @@ from typing import Protocol
 from grpc import aio
 
 from etcdserverpb import internal_pb2, rpc_pb2, rpc_pb2_grpc
-from queue_server.api.errors import abort
+from queue_server.api.errors import propose_or_abort
 from queue_server.api.header import HeaderFiller
 from queue_server.apply import Proposer, StateMachine
-from queue_server.errors import EtcdError
 from queue_server.lease.expiry import ExpiryClock
 from queue_server.lease.ids import lease_ids
 
@@ -56,14 +55,7 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
         self.ids = lease_ids(header.member_id)
 
     async def _propose(self, command: internal_pb2.Command, context: Context) -> object:
-        try:
-            result = await self.log.propose(command)
-        except EtcdError as e:
-            await abort(context, e)
-        if isinstance(result, EtcdError):
-            await abort(context, result)
-        self.header.fill(result.header)  # type: ignore[attr-defined]
-        return result
+        return await propose_or_abort(self.log, command, context, self.header)
 
     async def LeaseGrant(
         self, request: rpc_pb2.LeaseGrantRequest, context: Context

@@ -21,6 +21,8 @@ import struct
 import zlib
 from typing import Any
 
+from queue_server.storage.files import fsync_dir
+
 _MAGIC = b"QSNAP1\n"
 _HEADER = struct.Struct("<QIQ")
 KEEP_SNAPSHOTS = 2
@@ -30,14 +32,6 @@ previous one can be inspected after a bad restart."""
 
 class CorruptSnapshotError(RuntimeError):
     """A snapshot file failed its checksum or is truncated."""
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class SnapshotStore:
@@ -72,7 +66,7 @@ class SnapshotStore:
                 os.fsync(f.fileno())
         os.replace(tmp, self._path(index))
         if self.fsync_enabled:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         for old in self.indexes()[:-KEEP_SNAPSHOTS]:
             os.remove(self._path(old))
         return len(data)

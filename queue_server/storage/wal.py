@@ -28,6 +28,8 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from queue_server.storage.files import fsync_dir
+
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<IIQ")
@@ -50,14 +52,6 @@ class Recovery:
 
 def _segment_name(first_index: int) -> str:
     return f"{first_index:020d}.log"
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class WriteAheadLog:
@@ -152,7 +146,7 @@ class WriteAheadLog:
         self._segment_first = first_index
         self._fd = os.open(self._path(first_index), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         if self.fsync_enabled:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
 
     def rotate(self) -> None:
         """Start a new segment at the next index (after a snapshot)."""
