@@ -3,7 +3,10 @@
 Runs ``grpc_tools.protoc`` with the repository root and grpc_tools' bundled
 include directory as import paths, writing ``*_pb2.py``, ``*_pb2.pyi`` and
 ``*_pb2_grpc.py`` next to the ``.proto`` files (the generated files are
-committed).
+committed). Every ``.proto`` in ``etcdserverpb/`` is compiled: the etcd protos,
+``internal.proto`` and the Change Queue Service's ``cqs.proto``. Well-known
+types (``google/protobuf/timestamp.proto``) resolve from grpc_tools' include
+dir and are imported from ``google.protobuf`` at runtime, never generated here.
 
 Usage::
 
@@ -17,10 +20,11 @@ location of this script.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 from collections.abc import Sequence
-from importlib import resources
+from importlib import resources, util
 from pathlib import Path
 
 from grpc_tools import protoc
@@ -28,6 +32,7 @@ from grpc_tools import protoc
 REPO_ROOT: Path = Path(__file__).resolve().parent.parent
 PROTO_PACKAGE: str = "etcdserverpb"
 GENERATED_SUFFIXES: tuple[str, ...] = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+LOCAL_IMPORT_RE = re.compile(rf"^from {PROTO_PACKAGE} import (\w+) as ", re.MULTILINE)
 
 
 def proto_files() -> list[Path]:
@@ -66,9 +71,27 @@ def generate(out_dir: Path) -> None:
     rc = protoc.main(args)
     if rc != 0:
         raise SystemExit(f"protoc failed with exit code {rc}")
-    # Post-processing hook: nothing needed with the pinned toolchain. The
+    # Post-processing hook: nothing to rewrite with the pinned toolchain. The
     # generated modules already use package-qualified imports such as
-    # ``from etcdserverpb import kv_pb2`` because of ``-I <root>``.
+    # ``from etcdserverpb import kv_pb2`` because of ``-I <root>``, and
+    # ``from google.protobuf import timestamp_pb2`` for well-known types.
+    check_local_imports(out_dir, {f"{p.stem}_pb2" for p in sources})
+
+
+def check_local_imports(out_dir: Path, modules: set[str]) -> None:
+    """Fail if generated code imports a bad module from ``etcdserverpb``.
+
+    Bad means: not generated from one of our protos, or named like a
+    well-known type (``timestamp_pb2``, ...), which must come from
+    ``google.protobuf`` (grpc_tools' include dir), not from a local copy.
+    """
+    bad: list[str] = []
+    for name, text in generated_files(out_dir).items():
+        for imported in LOCAL_IMPORT_RE.findall(text.decode()):
+            if imported not in modules or util.find_spec(f"google.protobuf.{imported}"):
+                bad.append(f"{name}: from {PROTO_PACKAGE} import {imported}")
+    if bad:
+        raise SystemExit("generated code imports unknown local modules:\n  " + "\n  ".join(bad))
 
 
 def generated_files(root: Path) -> dict[str, bytes]:

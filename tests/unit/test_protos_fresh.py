@@ -13,6 +13,7 @@ if str(REPO_ROOT) not in sys.path:  # allow plain `pytest` without an install
     sys.path.insert(0, str(REPO_ROOT))
 
 from etcdserverpb import (  # noqa: E402
+    cqs_pb2,
     internal_pb2,
     kv_pb2,
     rpc_pb2,
@@ -124,3 +125,83 @@ def test_internal_command_oneof() -> None:
         "alarm": 7,
         "queue_requeue": 8,
     }
+
+
+@pytest.mark.unit
+def test_change_queue_service() -> None:
+    assert cqs_pb2.DESCRIPTOR.package == "dtoflow.changequeue.v1"
+    deps = [d.name for d in cqs_pb2.DESCRIPTOR.dependencies]
+    assert deps == ["google/protobuf/timestamp.proto"]
+    service = cqs_pb2.DESCRIPTOR.services_by_name["DtoChangeQueueService"]
+    assert service.full_name == "dtoflow.changequeue.v1.DtoChangeQueueService"
+    assert [m.name for m in service.methods] == [
+        "CreateOrConfigureQueue",
+        "BatchDequeue",
+        "BatchAcknowledge",
+        "ReEnqueue",
+    ]
+    streaming = {m.name: (m.client_streaming, m.server_streaming) for m in service.methods}
+    assert streaming == {
+        "CreateOrConfigureQueue": (False, False),
+        "BatchDequeue": (False, False),
+        "BatchAcknowledge": (False, False),
+        "ReEnqueue": (True, False),
+    }
+    io = {m.name: (m.input_type.name, m.output_type.name) for m in service.methods}
+    assert io["ReEnqueue"] == ("ReEnqueueRequest", "ReEnqueueResponse")
+    assert io["BatchDequeue"] == ("BatchDequeueRequest", "BatchDequeueResponse")
+
+
+@pytest.mark.unit
+def test_change_queue_wire_numbers() -> None:
+    note = cqs_pb2.DtoChangeNotification.DESCRIPTOR
+    assert _numbers(cqs_pb2.DtoChangeNotification) == {
+        "ack_token": 1,
+        "dto_type": 2,
+        "dto_id": 3,
+        "sla_timestamp": 4,
+        "tracking_id": 5,
+        "parent_id": 6,
+        "alias_name": 7,
+    }
+    assert [f.name for f in note.oneofs_by_name["urn"].fields] == ["dto_id", "parent_id"]
+    assert note.fields_by_name["sla_timestamp"].message_type.full_name == (
+        "google.protobuf.Timestamp"
+    )
+    assert note.fields_by_name["alias_name"].containing_oneof is None
+
+    request = cqs_pb2.ReEnqueueRequest.DESCRIPTOR
+    payload = {f.name: f.number for f in request.oneofs_by_name["payload"].fields}
+    assert payload == {"header": 1, "item": 2, "footer": 3}
+    assert request.fields_by_name["item"].message_type.full_name == (
+        "dtoflow.changequeue.v1.SplitItem"
+    )
+    assert _numbers(cqs_pb2.ReEnqueueRequest.Header) == {"queue_name": 1, "ack_token": 2}
+    assert _numbers(cqs_pb2.ReEnqueueRequest.Footer) == {}
+
+    assert _numbers(cqs_pb2.SplitItem) == {
+        "dto_type": 1,
+        "dto_id": 2,
+        "parent_id": 3,
+        "alias_name": 4,
+    }
+    split_urn = cqs_pb2.SplitItem.DESCRIPTOR.oneofs_by_name["urn"]
+    assert [f.name for f in split_urn.fields] == ["dto_id", "parent_id"]
+    assert _numbers(cqs_pb2.ReEnqueueResponse) == {"acknowledged": 1, "items_enqueued": 2}
+
+    assert _numbers(cqs_pb2.BatchDequeueRequest) == {
+        "queue_name": 1,
+        "max_notifications": 2,
+        "prefix_depth": 3,
+        "wait_time_milliseconds": 4,
+    }
+    assert _numbers(cqs_pb2.BatchDequeueResponse) == {"notifications": 1}
+    assert _numbers(cqs_pb2.BatchAcknowledgeRequest) == {"queue_name": 1, "ack_tokens": 2}
+    assert _numbers(cqs_pb2.CreateOrConfigureQueueRequest) == {
+        "queue_name": 1,
+        "subscriptions": 2,
+        "depth": 3,
+    }
+    assert _numbers(cqs_pb2.DtoTypeSubscription) == {"dto_type": 1, "alias_name": 2}
+    assert _numbers(cqs_pb2.CreateOrConfigureQueueResponse) == {}
+    assert _numbers(cqs_pb2.BatchAcknowledgeResponse) == {}

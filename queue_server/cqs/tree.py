@@ -1,0 +1,253 @@
+"""The SLA priority structure of one CQS queue: enqueue, grouped dequeue, ack.
+
+What belongs here: the order of a queue's notifications and the bookkeeping of
+which are pending and which are in flight. No I/O, no clock (times are passed in),
+no protobuf; `queue_server/cqs/service` (to come) turns these records into
+DtoChangeNotification messages.
+
+Order (seed 000): `sla` ascending; at equal SLA the id with more path segments
+first; then first enqueued first. That order is one int per record
+(`priority`), so every sorted structure compares plain ints.
+
+Grouped dequeue: the first record is the most urgent of the queue; the rest are
+the next most urgent whose id shares its first `d` segments. The queue keeps, for
+each depth 1..K (K = the queue's `depth`, default 4), a sorted list per id prefix,
+so a group is read in priority order from one list: O(log n) per record taken.
+A request deeper than K (rare) scans the first record's depth-K list and filters.
+
+Dedup: a pending record with the same (dto_type, kind, id, alias) absorbs a new
+one, keeping the more urgent SLA and its tracking id. An in-flight record does not
+absorb: the change may have come after the consumer read, so a new pending record
+is queued.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from sortedcontainers import SortedList
+
+DEFAULT_DEPTH = 4
+"""Default prefix depth of a queue: t/{tenant}/s/{store} (seed 000)."""
+_SEQ_BITS = 34
+_SEG_BITS = 6
+_MAX_SEGMENTS = (1 << _SEG_BITS) - 1
+
+
+def priority_of(sla_us: int, segments: int, seq: int) -> int:
+    """One int whose order is the queue's order (smaller = more urgent)."""
+    seg = _MAX_SEGMENTS - min(segments, _MAX_SEGMENTS)
+    return (sla_us << (_SEQ_BITS + _SEG_BITS)) | (seg << _SEQ_BITS) | (seq & ((1 << _SEQ_BITS) - 1))
+
+
+class Record:
+    """One notification of a queue. Compared by priority only; hashed and equal by
+    its dedup identity (dto_type, kind, id, alias) so a dict of records is the
+    dedup index without a second copy of the key."""
+
+    __slots__ = ("alias", "dto_id", "dto_type", "is_parent", "priority", "sla_us", "token", "tracking_id")
+
+    def __init__(
+        self,
+        dto_type: str,
+        dto_id: str,
+        is_parent: bool,
+        alias: str,
+        sla_us: int,
+        tracking_id: str,
+        priority: int = 0,
+    ) -> None:
+        self.dto_type = dto_type
+        self.dto_id = dto_id
+        self.is_parent = is_parent
+        self.alias = alias
+        self.sla_us = sla_us
+        self.tracking_id = tracking_id
+        self.priority = priority
+        self.token = ""
+
+    def __lt__(self, other: Record) -> bool:
+        return self.priority < other.priority
+
+    def __hash__(self) -> int:
+        return hash((self.dto_type, self.is_parent, self.dto_id, self.alias))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Record):
+            return NotImplemented
+        return (
+            self.dto_id == other.dto_id
+            and self.dto_type == other.dto_type
+            and self.is_parent == other.is_parent
+            and self.alias == other.alias
+        )
+
+    def __repr__(self) -> str:
+        kind = "parent_id" if self.is_parent else "dto_id"
+        return f"Record({self.dto_type} {kind}={self.dto_id} alias={self.alias!r} sla={self.sla_us})"
+
+
+def prefix(dto_id: str, depth: int) -> str:
+    """The first `depth` segments of an id ("t/a/s/b" for depth 4)."""
+    parts = dto_id.split("/", depth)
+    return "/".join(parts[:depth])
+
+
+@dataclass
+class InFlight:
+    record: Record
+    visible_at: float
+
+
+@dataclass
+class SlaQueue:
+    """One CQS queue's notifications."""
+
+    depth: int = DEFAULT_DEPTH
+    _seq: int = 0
+    _all: SortedList = field(default_factory=SortedList)
+    _levels: list[dict[str, SortedList]] = field(default_factory=list)
+    _pending: dict[Record, Record] = field(default_factory=dict)
+    _in_flight: dict[str, InFlight] = field(default_factory=dict)
+    _interned: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._levels = [{} for _ in range(self.depth)]
+
+    def __len__(self) -> int:
+        """Pending notifications (not in flight)."""
+        return len(self._all)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def _intern(self, text: str) -> str:
+        return self._interned.setdefault(text, text)
+
+    # -- enqueue ------------------------------------------------------------------
+
+    def enqueue(
+        self,
+        dto_type: str,
+        dto_id: str,
+        sla_us: int,
+        *,
+        is_parent: bool = False,
+        alias: str = "",
+        tracking_id: str = "",
+    ) -> Record:
+        """Queue a notification, or merge it into a pending duplicate."""
+        probe = Record(self._intern(dto_type), dto_id, is_parent, self._intern(alias), sla_us, tracking_id)
+        existing = self._pending.get(probe)
+        if existing is not None:
+            if sla_us < existing.sla_us:
+                self._reprioritize(existing, sla_us, tracking_id)
+            return existing
+        self._seq += 1
+        probe.priority = priority_of(sla_us, dto_id.count("/") + 1, self._seq)
+        self._pending[probe] = probe
+        self._link(probe)
+        return probe
+
+    def _reprioritize(self, record: Record, sla_us: int, tracking_id: str) -> None:
+        """A more urgent SLA for a pending record; its place among equals stays."""
+        self._unlink(record)
+        record.sla_us = sla_us
+        record.tracking_id = tracking_id
+        seq = record.priority & ((1 << _SEQ_BITS) - 1)
+        record.priority = priority_of(sla_us, record.dto_id.count("/") + 1, seq)
+        self._link(record)
+
+    def _link(self, record: Record) -> None:
+        self._all.add(record)
+        for d, level in enumerate(self._levels, start=1):
+            p = prefix(record.dto_id, d)
+            lst = level.get(p)
+            if lst is None:
+                lst = level[p] = SortedList()
+            lst.add(record)
+
+    def _unlink(self, record: Record) -> None:
+        self._all.remove(record)
+        for d, level in enumerate(self._levels, start=1):
+            p = prefix(record.dto_id, d)
+            lst = level[p]
+            lst.remove(record)
+            if not lst:
+                del level[p]
+
+    # -- dequeue ------------------------------------------------------------------
+
+    def _group(self, first: Record, depth: int) -> Iterator[Record]:
+        """Pending records sharing `first`'s first `depth` segments, most urgent first."""
+        segments = first.dto_id.count("/") + 1
+        if depth > segments:
+            depth = segments  # a depth past the id groups by the whole id
+        if depth <= self.depth:
+            yield from self._levels[depth - 1][prefix(first.dto_id, depth)]
+            return
+        want = prefix(first.dto_id, depth)
+        for record in self._levels[self.depth - 1][prefix(first.dto_id, self.depth)]:
+            if record.dto_id == want or record.dto_id.startswith(want + "/"):
+                yield record
+
+    def dequeue(self, max_records: int, depth: int, visible_at: float) -> list[Record]:
+        """Take up to `max_records`: the most urgent, then its prefix group. Each
+        gets a fresh ack token and stays in flight until acked or `visible_at`."""
+        if not self._all or max_records < 1:
+            return []
+        if depth <= 0:
+            depth = self.depth
+        first = self._all[0]
+        taken: list[Record] = []
+        for record in self._group(first, depth):
+            taken.append(record)
+            if len(taken) >= max_records:
+                break
+        for record in taken:
+            self._unlink(record)
+            del self._pending[record]
+            record.token = secrets.token_hex(16)
+            self._in_flight[record.token] = InFlight(record, visible_at)
+        return taken
+
+    # -- acknowledge and redelivery -------------------------------------------------
+
+    def ack(self, tokens: list[str]) -> int:
+        """Remove the notifications of these tokens; unknown ones are ignored."""
+        done = 0
+        for token in tokens:
+            if self._in_flight.pop(token, None) is not None:
+                done += 1
+        return done
+
+    def extend(self, token: str, visible_at: float) -> bool:
+        """Keep an in-flight notification invisible longer (ReEnqueue leases)."""
+        held = self._in_flight.get(token)
+        if held is None:
+            return False
+        held.visible_at = max(held.visible_at, visible_at)
+        return True
+
+    def expire(self, now: float) -> int:
+        """Make in-flight notifications past their visibility timeout pending
+        again, with their SLA; their tokens die. Returns how many."""
+        expired = [t for t, held in self._in_flight.items() if held.visible_at <= now]
+        for token in expired:
+            record = self._in_flight.pop(token).record
+            record.token = ""
+            existing = self._pending.get(record)
+            if existing is not None:  # a newer copy is pending: keep the more urgent SLA
+                if record.sla_us < existing.sla_us:
+                    self._reprioritize(existing, record.sla_us, record.tracking_id)
+                continue
+            self._pending[record] = record
+            self._link(record)
+        return len(expired)
+
+    def pending(self) -> Iterator[Record]:
+        """Pending records in queue order."""
+        return iter(self._all)
