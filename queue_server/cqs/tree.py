@@ -47,7 +47,16 @@ class Record:
     its dedup identity (dto_type, kind, id, alias) so a dict of records is the
     dedup index without a second copy of the key."""
 
-    __slots__ = ("alias", "dto_id", "dto_type", "is_parent", "priority", "sla_us", "token", "tracking_id")
+    __slots__ = (
+        "alias",
+        "dto_id",
+        "dto_type",
+        "is_parent",
+        "priority",
+        "sla_us",
+        "token",
+        "tracking_id",
+    )
 
     def __init__(
         self,
@@ -86,7 +95,9 @@ class Record:
 
     def __repr__(self) -> str:
         kind = "parent_id" if self.is_parent else "dto_id"
-        return f"Record({self.dto_type} {kind}={self.dto_id} alias={self.alias!r} sla={self.sla_us})"
+        return (
+            f"Record({self.dto_type} {kind}={self.dto_id} alias={self.alias!r} sla={self.sla_us})"
+        )
 
 
 def prefix(dto_id: str, depth: int) -> str:
@@ -140,7 +151,9 @@ class SlaQueue:
         tracking_id: str = "",
     ) -> Record:
         """Queue a notification, or merge it into a pending duplicate."""
-        probe = Record(self._intern(dto_type), dto_id, is_parent, self._intern(alias), sla_us, tracking_id)
+        probe = Record(
+            self._intern(dto_type), dto_id, is_parent, self._intern(alias), sla_us, tracking_id
+        )
         existing = self._pending.get(probe)
         if existing is not None:
             if sla_us < existing.sla_us:

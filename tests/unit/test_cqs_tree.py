@@ -121,9 +121,9 @@ def test_queue_agrees_with_a_naive_model(operations: list[tuple[object, ...]]) -
             depth = b if b > 0 else 4
             segs = str(first["id"]).split("/")
             want = "/".join(segs[: min(depth, len(segs))])
-            group = [
-                m for m in ordered if m["id"] == want or str(m["id"]).startswith(want + "/")
-            ][:a]
+            group = [m for m in ordered if m["id"] == want or str(m["id"]).startswith(want + "/")][
+                :a
+            ]
             assert [(r.dto_id, r.is_parent) for r in got] == [(m["id"], m["parent"]) for m in group]
             for r, m in zip(got, group, strict=True):
                 pending.remove(m)
