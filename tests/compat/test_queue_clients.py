@@ -115,8 +115,13 @@ def test_etcdctl_happy_path(server: ServerProcess) -> None:
         )
         assert "count" not in json.loads(ctl(server, "get", "/q/ctlq/0", "/q/ctlq/:", "-w", "json"))
 
-        # a prefix watch is an ordinary watch: it sees the consumer leave
-        observer = BackgroundCtl(server, "watch", "--prefix", "/q/ctlq/c/")
+        # a prefix watch is an ordinary watch: it sees the consumer leave. It
+        # starts at the next revision, so the marker put below reaches it however
+        # late the background etcdctl connects.
+        now = json.loads(ctl(server, "get", "/q/ctlq", "-w", "json"))["header"]["revision"]
+        observer = BackgroundCtl(
+            server, "watch", "--prefix", "/q/ctlq/c/", "--rev", str(int(now) + 1)
+        )
         assert ctl(server, "put", "/q/ctlq/c/ready-marker/x", "1") == "OK\n"
         assert observer.read(3) == ["PUT", "/q/ctlq/c/ready-marker/x", "1"]
         watch.stop()
