@@ -13,6 +13,8 @@ Grouped dequeue: the first record is the most urgent of the queue; the rest are
 the next most urgent whose id shares its first `d` segments. The queue keeps, for
 each depth 1..K (K = the queue's `depth`, default 4), a sorted list per id prefix,
 so a group is read in priority order from one list: O(log n) per record taken.
+The sorted lists hold priority ints (compared in C), mapped back to records by
+one dict.
 A request deeper than K (rare) scans the first record's depth-K list and filters.
 
 Dedup: a pending record with the same (dto_type, kind, id, alias) absorbs a new
@@ -43,9 +45,9 @@ def priority_of(sla_us: int, segments: int, seq: int) -> int:
 
 
 class Record:
-    """One notification of a queue. Compared by priority only; hashed and equal by
-    its dedup identity (dto_type, kind, id, alias) so a dict of records is the
-    dedup index without a second copy of the key."""
+    """One notification of a queue. Hashed and equal by its dedup identity
+    (dto_type, kind, id, alias), so a dict of records is the dedup index without
+    a second copy of the key; the sorted indexes hold its `priority` int."""
 
     __slots__ = (
         "alias",
@@ -76,9 +78,6 @@ class Record:
         self.tracking_id = tracking_id
         self.priority = priority
         self.token = ""
-
-    def __lt__(self, other: Record) -> bool:
-        return self.priority < other.priority
 
     def __hash__(self) -> int:
         return hash((self.dto_type, self.is_parent, self.dto_id, self.alias))
@@ -118,8 +117,9 @@ class SlaQueue:
 
     depth: int = DEFAULT_DEPTH
     _seq: int = 0
-    _all: SortedList = field(default_factory=SortedList)
-    _levels: list[dict[str, SortedList]] = field(default_factory=list)
+    _all: SortedList = field(default_factory=SortedList)  # priorities (ints)
+    _levels: list[dict[str, SortedList]] = field(default_factory=list)  # prefix -> priorities
+    _by_priority: dict[int, Record] = field(default_factory=dict)
     _pending: dict[Record, Record] = field(default_factory=dict)
     _in_flight: dict[str, InFlight] = field(default_factory=dict)
     _interned: dict[str, str] = field(default_factory=dict)
@@ -175,20 +175,26 @@ class SlaQueue:
         self._link(record)
 
     def _link(self, record: Record) -> None:
-        self._all.add(record)
+        key = record.priority
+        self._by_priority[key] = record
+        self._all.add(key)
+        parts = record.dto_id.split("/", self.depth)
         for d, level in enumerate(self._levels, start=1):
-            p = prefix(record.dto_id, d)
+            p = "/".join(parts[:d])
             lst = level.get(p)
             if lst is None:
                 lst = level[p] = SortedList()
-            lst.add(record)
+            lst.add(key)
 
     def _unlink(self, record: Record) -> None:
-        self._all.remove(record)
+        key = record.priority
+        del self._by_priority[key]
+        self._all.remove(key)
+        parts = record.dto_id.split("/", self.depth)
         for d, level in enumerate(self._levels, start=1):
-            p = prefix(record.dto_id, d)
+            p = "/".join(parts[:d])
             lst = level[p]
-            lst.remove(record)
+            lst.remove(key)
             if not lst:
                 del level[p]
 
@@ -199,11 +205,14 @@ class SlaQueue:
         segments = first.dto_id.count("/") + 1
         if depth > segments:
             depth = segments  # a depth past the id groups by the whole id
+        records = self._by_priority
         if depth <= self.depth:
-            yield from self._levels[depth - 1][prefix(first.dto_id, depth)]
+            for key in self._levels[depth - 1][prefix(first.dto_id, depth)]:
+                yield records[key]
             return
         want = prefix(first.dto_id, depth)
-        for record in self._levels[self.depth - 1][prefix(first.dto_id, self.depth)]:
+        for key in self._levels[self.depth - 1][prefix(first.dto_id, self.depth)]:
+            record = records[key]
             if record.dto_id == want or record.dto_id.startswith(want + "/"):
                 yield record
 
@@ -214,7 +223,7 @@ class SlaQueue:
             return []
         if depth <= 0:
             depth = self.depth
-        first = self._all[0]
+        first = self._by_priority[self._all[0]]
         taken: list[Record] = []
         for record in self._group(first, depth):
             taken.append(record)
@@ -263,4 +272,5 @@ class SlaQueue:
 
     def pending(self) -> Iterator[Record]:
         """Pending records in queue order."""
-        return iter(self._all)
+        records = self._by_priority
+        return (records[key] for key in self._all)
