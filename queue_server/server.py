@@ -36,7 +36,7 @@ from queue_server.compactor import CompactionPlanner, parse_retention, run_compa
 from queue_server.config import GRPC_OVERHEAD_BYTES, Config
 from queue_server.errors import EtcdError, LeaseNotFound
 from queue_server.lease.expiry import ExpiryClock
-from queue_server.lease.ids import lease_ids
+from queue_server.lease.ids import LeaseIdGenerator
 from queue_server.mq.dispatcher import Dispatcher
 from queue_server.mvcc.store import Event
 from queue_server.quota import QuotaGuard
@@ -168,6 +168,7 @@ class Server:
         )
         server = aio.server(options=self._grpc_options())
         writes = QuotaGuard(self.log, self.state, cfg.quota_backend_bytes, member_id)
+        ids = LeaseIdGenerator(member_id)
         services = GenericHandlersOnly(server)
         rpc_pb2_grpc.add_KVServicer_to_server(
             KVService(self.state, writes, header, cfg.max_txn_ops), services
@@ -184,7 +185,6 @@ class Server:
         )
         rpc_pb2_grpc.add_ClusterServicer_to_server(ClusterService(member, header), services)
         self.watch_hub = WatchHub(lambda: self.state.store, cfg.max_request_bytes)
-        ids = lease_ids(member_id)
         lessor = self.state.lessor
         self.dispatcher = Dispatcher(
             lambda: self.state.store,
@@ -205,12 +205,12 @@ class Server:
         self.state.commit_listener = on_commit
         rpc_pb2_grpc.add_WatchServicer_to_server(WatchService(self.watch_hub, header), services)
         rpc_pb2_grpc.add_LeaseServicer_to_server(
-            LeaseService(self.state, writes, self.expiry, header, self.dispatcher), services
+            LeaseService(self.state, writes, self.expiry, header, ids, self.dispatcher), services
         )
         recipes = LocalClient(self.state, writes, self.watch_hub)
-        v3lock_pb2_grpc.add_LockServicer_to_server(LockService(recipes, header), services)
+        v3lock_pb2_grpc.add_LockServicer_to_server(LockService(recipes, header, ids), services)
         v3election_pb2_grpc.add_ElectionServicer_to_server(
-            ElectionService(recipes, header), services
+            ElectionService(recipes, header, ids), services
         )
         for address in cfg.listen_addresses():
             try:

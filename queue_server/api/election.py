@@ -20,7 +20,7 @@ from etcdserverpb import rpc_pb2, v3election_pb2, v3election_pb2_grpc
 from queue_server.api.errors import abort_unknown
 from queue_server.api.header import HeaderFiller
 from queue_server.errors import EtcdError
-from queue_server.lease.ids import lease_ids
+from queue_server.lease.ids import LeaseIdGenerator
 from queue_server.recipes.local_client import LocalClient
 from queue_server.recipes.mutex import (
     SessionExpired,
@@ -45,10 +45,10 @@ class NotLeader(Exception):
 class ElectionService(v3election_pb2_grpc.ElectionServicer):
     """Server-side elections over the node's own KV, leases and watches."""
 
-    def __init__(self, client: LocalClient, header: HeaderFiller) -> None:
+    def __init__(self, client: LocalClient, header: HeaderFiller, ids: LeaseIdGenerator) -> None:
         self.client = client
         self.header = header
-        self.ids = lease_ids(header.member_id)
+        self.ids = ids
 
     def _first(self, name: bytes) -> rpc_pb2.RangeResponse:
         prefix = name + b"/"

@@ -20,7 +20,7 @@ from queue_server.api.errors import propose_or_abort
 from queue_server.api.header import HeaderFiller
 from queue_server.apply import Proposer, StateMachine
 from queue_server.lease.expiry import ExpiryClock
-from queue_server.lease.ids import lease_ids
+from queue_server.lease.ids import LeaseIdGenerator
 
 Context = aio.ServicerContext[object, object]
 
@@ -45,6 +45,7 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
         log: Proposer,
         expiry: ExpiryClock,
         header: HeaderFiller,
+        ids: LeaseIdGenerator,
         deliveries: DeliveryLeases | None = None,
     ) -> None:
         self.state = state
@@ -52,7 +53,7 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
         self.expiry = expiry
         self.header = header
         self.deliveries = deliveries
-        self.ids = lease_ids(header.member_id)
+        self.ids = ids
 
     async def _propose(self, command: internal_pb2.Command, context: Context) -> object:
         return await propose_or_abort(self.log, command, context, self.header)

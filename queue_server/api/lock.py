@@ -18,7 +18,7 @@ from etcdserverpb import v3lock_pb2, v3lock_pb2_grpc
 from queue_server.api.errors import abort_unknown
 from queue_server.api.header import HeaderFiller
 from queue_server.errors import EmptyKey, EtcdError
-from queue_server.lease.ids import lease_ids
+from queue_server.lease.ids import LeaseIdGenerator
 from queue_server.recipes.local_client import LocalClient
 from queue_server.recipes.mutex import SessionExpired, claim_and_wait, session_lease
 
@@ -28,10 +28,10 @@ Context = aio.ServicerContext[object, object]
 class LockService(v3lock_pb2_grpc.LockServicer):
     """Server-side mutexes over the node's own KV, leases and watches."""
 
-    def __init__(self, client: LocalClient, header: HeaderFiller) -> None:
+    def __init__(self, client: LocalClient, header: HeaderFiller, ids: LeaseIdGenerator) -> None:
         self.client = client
         self.header = header
-        self.ids = lease_ids(header.member_id)
+        self.ids = ids
 
     async def Lock(
         self, request: v3lock_pb2.LockRequest, context: Context

@@ -66,13 +66,6 @@ class ExpiryClock:
             return -1
         return max(0, math.floor(deadline - self.clock()))
 
-    def refresh_all(self) -> None:
-        """Give every lease a full TTL from now (after restart or promotion)."""
-        now = self.clock()
-        self._heap = [(now + ttl, lease_id) for lease_id, ttl in self._ttl.items()]
-        heapq.heapify(self._heap)
-        self._deadline = {lease_id: d for d, lease_id in self._heap}
-
     def expired(self) -> list[int]:
         """Leases past their deadline; each is pushed back by REVOKE_RETRY_SECONDS
         so it is reported again only if its revoke did not happen."""

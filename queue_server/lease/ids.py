@@ -1,6 +1,7 @@
-"""Server-chosen lease ids: one generator per member, shared by everything that
-grants leases (the Lease service, Lock/Election for requests without a lease,
-and the queue dispatcher's delivery leases), so no two ever pick the same id."""
+"""Server-chosen lease ids. The server makes one generator and hands it to
+everything that picks lease ids (the Lease service, Lock/Election for requests
+without a lease, the queue dispatcher's delivery leases), so no two ever pick
+the same id."""
 
 from __future__ import annotations
 
@@ -22,16 +23,3 @@ class LeaseIdGenerator:
             lease_id = (self._prefix | self._suffix) & ((1 << 63) - 1)
             if lease_id and lease_id not in taken:
                 return lease_id
-
-
-_SHARED_IDS: dict[int, LeaseIdGenerator] = {}
-
-
-def lease_ids(member_id: int) -> LeaseIdGenerator:
-    """The member's one lease id generator, shared by every service that grants
-    leases (Lease, and Lock/Election for requests without a lease), so that two
-    of them never pick the same id."""
-    ids = _SHARED_IDS.get(member_id)
-    if ids is None:
-        ids = _SHARED_IDS[member_id] = LeaseIdGenerator(member_id)
-    return ids

@@ -402,15 +402,3 @@ class Dispatcher:
         response = rpc_pb2.WatchResponse(watch_id=watcher.watch_id, canceled=True)
         response.cancel_reason = "queue: consumer did not take a delivery within 5s"
         stream.push(response)
-
-    # -- observation ------------------------------------------------------------
-
-    def stats(self, name: bytes) -> dict[str, int]:
-        rt = self.runtimes.get(name)
-        if rt is None:
-            return {"pending": 0, "in_flight": 0, "consumers": 0}
-        return {
-            "pending": len(rt.pending),
-            "in_flight": len(rt.holder),
-            "consumers": len(rt.consumers),
-        }

@@ -89,16 +89,6 @@ def consumer_key(spelling: bytes, name: bytes, consumer: bytes) -> bytes:
     return b"%s%s/%s/%s" % (spelling, name, _CONSUME[spelling], consumer)
 
 
-def config_key(spelling: bytes, name: bytes) -> bytes:
-    return spelling + name + b"/config"
-
-
-def messages_range(spelling: bytes, name: bytes) -> tuple[bytes, bytes]:
-    """[start, end) covering every message key of a queue (idx digits only)."""
-    base = spelling + name + b"/"
-    return base + b"0", base + b":"  # ":" follows "9"
-
-
 def valid_consumer_id(text: bytes) -> bool:
     try:
         uuid.UUID(text.decode("ascii"))

@@ -180,12 +180,11 @@ class QueueState:
         q = self.queues.get(name)
         if q is None:
             return []
-        start, end = keys.messages_range(q.spelling, q.name)
         moved: list[tuple[int, bytes, bytes, int]] = []
         for idx in idxs:
             prefix = keys.message_key(q.spelling, q.name, idx, b"")
             found = store.range(prefix, prefix[:-1] + b"0").kvs  # "/" + 1 == "0"
-            if not found or not (start <= found[0].key < end):
+            if not found:
                 continue
             kv = found[0]
             n = q.attempts.get(idx, 0) + 1
