@@ -21,6 +21,7 @@ from google.protobuf.message import Message
 
 from etcdserverpb import internal_pb2, rpc_pb2
 from queue_server.alarms import AlarmTable
+from queue_server.cqs.state import CqsState
 from queue_server.errors import EtcdError, NoSpace
 from queue_server.kv.executor import KVExecutor, is_read_only
 from queue_server.lease.lessor import Lessor
@@ -58,7 +59,8 @@ class StateMachine:
     def __init__(self) -> None:
         self.lessor = Lessor()
         self.alarms = AlarmTable()
-        self.queues = QueueState()
+        self.cqs = CqsState()
+        self.queues = QueueState(self.cqs)
         self.commit_listener: Callable[[int, list[Event]], None] | None = None
         self._use_store(MVCCStore())
         self.applied_index = 0
@@ -77,6 +79,7 @@ class StateMachine:
     def _on_commit(self, revision: int, events: list[Event]) -> None:
         self.lessor.follow(revision, events)
         self.queues.follow(revision, events)
+        self.cqs.follow(events)
         if self.commit_listener is not None:
             self.commit_listener(revision, events)
 
@@ -108,6 +111,12 @@ class StateMachine:
                 r = command.queue_requeue
                 dead = self.queues.requeue(self.store, r.queue, list(r.idx))
                 return internal_pb2.QueueRequeueResponse(dead_lettered=dead)
+            if kind == "cqs_dequeue":
+                return self.cqs.dequeue(command.cqs_dequeue)
+            if kind == "cqs_settle":
+                return self.cqs.settle(command.cqs_settle)
+            if kind == "cqs_enqueue":
+                return self.cqs.enqueue(command.cqs_enqueue)
             if kind == "alarm":
                 resp = self.alarms.apply(command.alarm)
                 resp.header.revision = self.store.revision
@@ -147,6 +156,7 @@ class StateMachine:
             "leases": self.lessor.export_state(),
             "alarms": self.alarms.export_state(),
             "queues": self.queues.export_state(),
+            "cqs": self.cqs.export_state(),
         }
 
     def restore_state(self, state: dict[str, Any]) -> None:
@@ -156,11 +166,12 @@ class StateMachine:
         self.lessor.restore_state(state["leases"], self.store)
         self.alarms.restore_state(state["alarms"])
         self.queues.restore_state(state["queues"], self.store)
+        self.cqs.restore_state(state.get("cqs", []))
         self.applied_index = state["applied_index"]
 
 
 def _needs_space(kind: str | None, command: internal_pb2.Command) -> bool:
     """What etcd's capped applier refuses under a NOSPACE alarm."""
-    if kind in ("put", "lease_grant"):
+    if kind in ("put", "lease_grant", "cqs_enqueue"):
         return True
     return kind == "txn" and not is_read_only(command.txn)

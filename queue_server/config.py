@@ -47,6 +47,7 @@ class Config:
     grpc_keepalive_interval: float
     grpc_keepalive_timeout: float
     watch_progress_notify_interval: float
+    cqs_visibility_timeout: float = 60.0
 
     def listen_addresses(self) -> list[str]:
         """host:port pairs to bind, from --listen-client-urls."""
@@ -169,6 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="10m",
         help="interval of progress notifications to watchers that asked for them",
     )
+    add(
+        "--cqs-visibility-timeout",
+        default="60s",
+        help="how long a dequeued CQS notification stays invisible unless acknowledged",
+    )
     return p
 
 
@@ -221,7 +227,10 @@ def parse_config(
         watch_progress_notify_interval=parse_duration(
             a.experimental_watch_progress_notify_interval
         ),
+        cqs_visibility_timeout=parse_duration(a.cqs_visibility_timeout),
     )
+    if config.cqs_visibility_timeout <= 0:
+        raise ConfigError("--cqs-visibility-timeout must be positive")
     config.listen_addresses()  # fail early on a bad URL
     parse_retention(config.auto_compaction_mode, config.auto_compaction_retention)
     return config

@@ -22,7 +22,14 @@ from typing import Any
 
 from grpc import aio
 
-from etcdserverpb import internal_pb2, rpc_pb2_grpc, v3election_pb2_grpc, v3lock_pb2_grpc
+from etcdserverpb import (
+    cqs_pb2_grpc,
+    internal_pb2,
+    rpc_pb2_grpc,
+    v3election_pb2_grpc,
+    v3lock_pb2_grpc,
+)
+from queue_server.api.cqs import CqsService, QueueWaiters
 from queue_server.api.election import ElectionService
 from queue_server.api.header import HeaderFiller
 from queue_server.api.kv import KVService
@@ -206,6 +213,11 @@ class Server:
         rpc_pb2_grpc.add_WatchServicer_to_server(WatchService(self.watch_hub, header), services)
         rpc_pb2_grpc.add_LeaseServicer_to_server(
             LeaseService(self.state, writes, self.expiry, header, ids, self.dispatcher), services
+        )
+        self.cqs_waiters = QueueWaiters()
+        self.state.cqs.on_change = self.cqs_waiters.notify
+        cqs_pb2_grpc.add_DtoChangeQueueServiceServicer_to_server(
+            CqsService(self.state, writes, self.cqs_waiters, cfg.cqs_visibility_timeout), services
         )
         recipes = LocalClient(self.state, writes, self.watch_hub)
         v3lock_pb2_grpc.add_LockServicer_to_server(LockService(recipes, header, ids), services)

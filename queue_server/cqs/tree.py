@@ -25,9 +25,11 @@ is queued.
 
 from __future__ import annotations
 
+import heapq
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from sortedcontainers import SortedList
 
@@ -122,6 +124,7 @@ class SlaQueue:
     _by_priority: dict[int, Record] = field(default_factory=dict)
     _pending: dict[Record, Record] = field(default_factory=dict)
     _in_flight: dict[str, InFlight] = field(default_factory=dict)
+    _expiry: list[tuple[float, str]] = field(default_factory=list)  # heap of (visible_at, token)
     _interned: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -134,6 +137,27 @@ class SlaQueue:
     @property
     def in_flight(self) -> int:
         return len(self._in_flight)
+
+    def seq_of(self, record: Record) -> int:
+        """The record's enqueue number in this queue (stable across deliveries)."""
+        return record.priority & ((1 << _SEQ_BITS) - 1)
+
+    def held(self, token: str, now: float) -> Record | None:
+        """The in-flight record of `token`, if the token is alive at `now`."""
+        held = self._in_flight.get(token)
+        if held is None or held.visible_at <= now:
+            return None
+        return held.record
+
+    def earliest_visible(self) -> float | None:
+        """When the next in-flight record becomes visible again (None: none held)."""
+        while self._expiry:
+            at, token = self._expiry[0]
+            held = self._in_flight.get(token)
+            if held is not None and held.visible_at == at:
+                return at
+            heapq.heappop(self._expiry)  # acked or extended since
+        return None
 
     def _intern(self, text: str) -> str:
         return self._interned.setdefault(text, text)
@@ -216,9 +240,13 @@ class SlaQueue:
             if record.dto_id == want or record.dto_id.startswith(want + "/"):
                 yield record
 
-    def dequeue(self, max_records: int, depth: int, visible_at: float) -> list[Record]:
+    def dequeue(
+        self, max_records: int, depth: int, visible_at: float, token_base: str | None = None
+    ) -> list[Record]:
         """Take up to `max_records`: the most urgent, then its prefix group. Each
-        gets a fresh ack token and stays in flight until acked or `visible_at`."""
+        gets a fresh ack token (`token_base` + its seq, so a replica mints the
+        same ones; random without a base) and stays in flight until acked or
+        `visible_at`."""
         if not self._all or max_records < 1:
             return []
         if depth <= 0:
@@ -229,12 +257,17 @@ class SlaQueue:
             taken.append(record)
             if len(taken) >= max_records:
                 break
+        base = secrets.token_hex(8) if token_base is None else token_base
         for record in taken:
             self._unlink(record)
             del self._pending[record]
-            record.token = secrets.token_hex(16)
-            self._in_flight[record.token] = InFlight(record, visible_at)
+            record.token = f"{base}{self.seq_of(record):x}"
+            self._hold(record, visible_at)
         return taken
+
+    def _hold(self, record: Record, visible_at: float) -> None:
+        self._in_flight[record.token] = InFlight(record, visible_at)
+        heapq.heappush(self._expiry, (visible_at, record.token))
 
     # -- acknowledge and redelivery -------------------------------------------------
 
@@ -251,26 +284,105 @@ class SlaQueue:
         held = self._in_flight.get(token)
         if held is None:
             return False
-        held.visible_at = max(held.visible_at, visible_at)
+        if visible_at > held.visible_at:
+            held.visible_at = visible_at
+            heapq.heappush(self._expiry, (visible_at, token))
         return True
+
+    def release(self, tokens: list[str]) -> int:
+        """Make these in-flight notifications pending again now (a nack)."""
+        done = 0
+        for token in tokens:
+            held = self._in_flight.pop(token, None)
+            if held is not None:
+                self._requeue(held.record)
+                done += 1
+        return done
 
     def expire(self, now: float) -> int:
         """Make in-flight notifications past their visibility timeout pending
         again, with their SLA; their tokens die. Returns how many."""
-        expired = [t for t, held in self._in_flight.items() if held.visible_at <= now]
-        for token in expired:
-            record = self._in_flight.pop(token).record
-            record.token = ""
-            existing = self._pending.get(record)
-            if existing is not None:  # a newer copy is pending: keep the more urgent SLA
-                if record.sla_us < existing.sla_us:
-                    self._reprioritize(existing, record.sla_us, record.tracking_id)
-                continue
-            self._pending[record] = record
-            self._link(record)
-        return len(expired)
+        expired = 0
+        heap = self._expiry
+        while heap and heap[0][0] <= now:
+            at, token = heapq.heappop(heap)
+            held = self._in_flight.get(token)
+            if held is None or held.visible_at != at:
+                continue  # acked, released or extended since
+            del self._in_flight[token]
+            self._requeue(held.record)
+            expired += 1
+        return expired
+
+    def _requeue(self, record: Record) -> None:
+        """An in-flight record is pending again with its SLA and place."""
+        record.token = ""
+        existing = self._pending.get(record)
+        if existing is not None:  # a newer copy is pending: keep the more urgent SLA
+            if record.sla_us < existing.sla_us:
+                self._reprioritize(existing, record.sla_us, record.tracking_id)
+            return
+        self._pending[record] = record
+        self._link(record)
 
     def pending(self) -> Iterator[Record]:
         """Pending records in queue order."""
         records = self._by_priority
         return (records[key] for key in self._all)
+
+    def in_flight_records(self) -> Iterator[tuple[Record, float]]:
+        """In-flight records with the time each becomes visible again."""
+        return ((h.record, h.visible_at) for h in self._in_flight.values())
+
+    # -- snapshots ------------------------------------------------------------------
+
+    def export_state(self) -> dict[str, Any]:
+        """Plain data: the records with their seq, and the in-flight tokens."""
+
+        def row(r: Record) -> tuple[str, str, bool, str, int, str, int]:
+            return (
+                r.dto_type,
+                r.dto_id,
+                r.is_parent,
+                r.alias,
+                r.sla_us,
+                r.tracking_id,
+                self.seq_of(r),
+            )
+
+        return {
+            "depth": self.depth,
+            "seq": self._seq,
+            "pending": [row(r) for r in self.pending()],
+            "in_flight": [(t, h.visible_at, *row(h.record)) for t, h in self._in_flight.items()],
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> SlaQueue:
+        q = cls(depth=state["depth"])
+        q._seq = state["seq"]
+        for dto_type, dto_id, is_parent, alias, sla_us, tracking_id, seq in state["pending"]:
+            r = q._record(dto_type, dto_id, is_parent, alias, sla_us, tracking_id, seq)
+            q._pending[r] = r
+            q._link(r)
+        for token, visible_at, *rest in state["in_flight"]:
+            r = q._record(*rest)
+            r.token = token
+            q._hold(r, visible_at)
+        return q
+
+    def _record(
+        self,
+        dto_type: str,
+        dto_id: str,
+        is_parent: bool,
+        alias: str,
+        sla_us: int,
+        tracking_id: str,
+        seq: int,
+    ) -> Record:
+        r = Record(
+            self._intern(dto_type), dto_id, is_parent, self._intern(alias), sla_us, tracking_id
+        )
+        r.priority = priority_of(sla_us, dto_id.count("/") + 1, seq)
+        return r

@@ -62,7 +62,7 @@ def _any_put(key: bytes, value: bytes) -> None:
     return None
 
 
-def _same_key(key: bytes) -> bytes:
+def _same_key(key: bytes, value: bytes) -> bytes | None:
     return key
 
 
@@ -76,8 +76,9 @@ class KVExecutor:
     Hooks let other parts of the state machine take part without the executor
     knowing them: `lease_exists` answers whether a lease id may be attached to a
     key; `check_put(key, value)` may refuse a put before anything changes, and
-    `rewrite_put(key)` names the key a put really writes (the queue module turns
-    a producer key into a message key this way); `begin_checks()` is called
+    `rewrite_put(key, value)` names the key a put really writes (the queue module
+    turns a producer key into a message key this way), or None when the hook
+    consumed the put (a CQS publication writes no key); `begin_checks()` is called
     before the puts of one request are checked, so a check can count across
     them (a Txn producing several messages into a queue near its max_depth).
     """
@@ -87,7 +88,7 @@ class KVExecutor:
         store: MVCCStore,
         lease_exists: LeaseExists = _no_leases,
         check_put: Callable[[bytes, bytes], None] = _any_put,
-        rewrite_put: Callable[[bytes], bytes] = _same_key,
+        rewrite_put: Callable[[bytes, bytes], bytes | None] = _same_key,
         begin_checks: Callable[[], None] = _nothing,
     ) -> None:
         self.store = store
@@ -169,7 +170,11 @@ class KVExecutor:
 
     def _put(self, r: rpc_pb2.PutRequest, txn: WriteTxn) -> rpc_pb2.PutResponse:
         value, lease = r.value, r.lease
-        key = self.rewrite_put(r.key)
+        key = self.rewrite_put(r.key, r.value)
+        if key is None:  # consumed by the hook (a CQS publication): no key written
+            resp = rpc_pb2.PutResponse()
+            resp.header.revision = txn.read_revision
+            return resp
         prev: KeyValue | None = None
         if r.ignore_value or r.ignore_lease or r.prev_kv:
             found = txn.range(key, None).kvs

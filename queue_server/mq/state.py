@@ -23,6 +23,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from queue_server.cqs.state import CqsState, parse_cqs_config
 from queue_server.errors import EtcdError
 from queue_server.mq import keys
 from queue_server.mvcc.store import Event, MVCCStore
@@ -60,7 +61,7 @@ class QueueSettings:
         if not isinstance(raw, dict):
             raise InvalidQueueConfig("etcdserver: invalid queue config: expected a JSON object")
         s = cls()
-        known = {"ack_deadline", "max_deliveries", "dead_letter", "prefetch", "max_depth"}
+        known = {"ack_deadline", "max_deliveries", "dead_letter", "prefetch", "max_depth", "cqs"}
         unknown = set(raw) - known
         if unknown:
             raise InvalidQueueConfig(
@@ -78,6 +79,11 @@ class QueueSettings:
             raise InvalidQueueConfig("etcdserver: invalid queue config: negative or zero limit")
         if b"/" in s.dead_letter:
             raise InvalidQueueConfig("etcdserver: invalid queue config: dead_letter is one segment")
+        if "cqs" in raw:
+            try:
+                parse_cqs_config(raw["cqs"])
+            except ValueError as e:
+                raise InvalidQueueConfig(f"etcdserver: invalid queue config: {e}") from e
         return s
 
 
@@ -99,8 +105,9 @@ class QueueInfo:
 class QueueState:
     """All queues of the state machine."""
 
-    def __init__(self) -> None:
+    def __init__(self, cqs: CqsState | None = None) -> None:
         self.queues: dict[bytes, QueueInfo] = {}
+        self.cqs = cqs if cqs is not None else CqsState()
         # produces already checked in the request being checked, per queue
         self._checked_produces: dict[bytes, int] = {}
 
@@ -125,6 +132,9 @@ class QueueState:
         if qk is None:
             return
         if qk.kind == "produce":
+            if self.cqs.claims(qk):
+                self.cqs.check_publish(qk, value)
+                return
             q = self.queues.get(qk.name)
             earlier = self._checked_produces.get(qk.name, 0)
             if q is not None and q.settings.max_depth and q.depth + earlier >= q.settings.max_depth:
@@ -136,14 +146,18 @@ class QueueState:
         elif qk.kind == "config":
             QueueSettings.parse(value)
 
-    def rewrite_put(self, key: bytes) -> bytes:
+    def rewrite_put(self, key: bytes, value: bytes) -> bytes | None:
         """The key a put really writes: a producer key becomes the queue's next
-        message key; any other key is itself."""
+        message key; a CQS publication is fanned out and writes nothing (None);
+        any other key is itself."""
         if not key.startswith((keys.SHORT, keys.LONG)):
             return key
         qk = keys.parse(key)
         if qk is None or qk.kind != "produce":
             return key
+        if self.cqs.claims(qk):
+            self.cqs.publish(qk, value)
+            return None
         q = self.queue(qk.name, qk.spelling)
         idx = q.next_idx
         q.next_idx += 1

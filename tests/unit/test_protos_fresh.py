@@ -124,6 +124,9 @@ def test_internal_command_oneof() -> None:
         "lease_revoke": 6,
         "alarm": 7,
         "queue_requeue": 8,
+        "cqs_dequeue": 9,
+        "cqs_settle": 10,
+        "cqs_enqueue": 11,
     }
 
 

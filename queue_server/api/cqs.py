@@ -1,0 +1,349 @@
+"""The Change Queue Service (dtoflow.changequeue.v1.DtoChangeQueueService).
+
+Thin, like the etcd services: validate, propose a CQS command through the log,
+map errors to status codes. What is replicated lives in `queue_server.cqs.state`;
+this module owns what is per call: long-poll waits and ReEnqueue streams.
+
+- CreateOrConfigureQueue writes the queue's `/q/{name}/config` key (keeping its
+  other settings and, once created, its depth).
+- BatchDequeue proposes a `CqsDequeue` when the queue has a visible
+  notification, else waits (up to `wait_time_milliseconds`) for a change to the
+  queue or for the next in-flight notification to become visible.
+- ReEnqueue reads the stream in a task of its own into a bounded buffer and
+  flushes items through the log every FLUSH_ITEMS items or FLUSH_SECONDS, so
+  neither end holds more than one batch; the original's visibility is extended
+  on its cadence, and the Footer's flush acknowledges it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc import aio
+
+from etcdserverpb import cqs_pb2, cqs_pb2_grpc, internal_pb2, rpc_pb2
+from queue_server.api.errors import abort
+from queue_server.apply import Proposer, StateMachine
+from queue_server.cqs.state import (
+    DTO_QUEUE_PREFIX,
+    MAX_DEPTH,
+    InvalidNotification,
+    QueueNotFound,
+    TokenNotHeld,
+    check_split_item,
+)
+from queue_server.cqs.tree import DEFAULT_DEPTH
+from queue_server.errors import EtcdError
+from queue_server.mq import keys
+
+Context = aio.ServicerContext[object, object]
+
+MAX_NOTIFICATIONS = 1000
+"""BatchDequeue's cap on max_notifications."""
+FLUSH_ITEMS = 1000
+"""ReEnqueue items per log entry, at most."""
+FLUSH_SECONDS = 0.1
+"""ReEnqueue flushes buffered items at least this often."""
+EXTEND_ITEMS = 10_000
+EXTEND_SECONDS = 10.0
+"""ReEnqueue extends the original's visibility every EXTEND_SECONDS or
+EXTEND_ITEMS items, and at least twice per visibility timeout."""
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class QueueWaiters:
+    """Long-polls waiting for a queue to change; woken by the state machine."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, set[asyncio.Future[None]]] = {}
+
+    def notify(self, name: str) -> None:
+        for f in self._waiting.pop(name, ()):
+            if not f.done():
+                f.set_result(None)
+
+    async def wait(self, name: str, timeout: float) -> None:
+        """Return when `name` changes or after `timeout` seconds."""
+        f: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiting = self._waiting.setdefault(name, set())
+        waiting.add(f)
+        try:
+            await asyncio.wait_for(f, timeout)
+        except TimeoutError:
+            pass
+        finally:
+            waiting.discard(f)
+            if not waiting and self._waiting.get(name) is waiting:
+                del self._waiting[name]
+
+
+class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
+    """CQS over the node's log and state machine."""
+
+    def __init__(
+        self,
+        state: StateMachine,
+        log: Proposer,
+        waiters: QueueWaiters,
+        visibility_timeout: float,
+    ) -> None:
+        self.state = state
+        self.log = log
+        self.waiters = waiters
+        self.visibility_ms = int(visibility_timeout * 1000)
+
+    async def _propose(self, command: internal_pb2.Command, context: Context) -> object:
+        try:
+            result = await self.log.propose(command)
+        except EtcdError as e:
+            await abort(context, e)
+        if isinstance(result, EtcdError):
+            await abort(context, result)
+        return result
+
+    async def _known(self, name: str, context: Context) -> None:
+        if name not in self.state.cqs.queues:
+            await abort(context, QueueNotFound(f"cqs: queue {name!r} not found"))
+
+    # -- CreateOrConfigureQueue ---------------------------------------------------
+
+    async def CreateOrConfigureQueue(
+        self, request: cqs_pb2.CreateOrConfigureQueueRequest, context: Context
+    ) -> cqs_pb2.CreateOrConfigureQueueResponse:
+        name = request.queue_name
+        why = _bad_queue_name(name)
+        if why is None and not 0 <= request.depth <= MAX_DEPTH:
+            why = f"depth must be 0..{MAX_DEPTH}"
+        if why is None and any(not s.dto_type for s in request.subscriptions):
+            why = "a subscription needs a dto_type"
+        if why is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cqs: {why}")
+        config_key = b"/q/" + name.encode() + b"/config"
+        found = self.state.store.get(config_key)
+        settings: dict[str, object] = {}
+        if found is not None:
+            try:
+                loaded = json.loads(found.value or b"{}")
+                settings = loaded if isinstance(loaded, dict) else {}
+            except ValueError:
+                settings = {}
+        existing = self.state.cqs.queues.get(name)
+        cqs: dict[str, object] = {
+            "subscriptions": [
+                {"dto_type": s.dto_type, **({"alias_name": s.alias_name} if s.alias_name else {})}
+                for s in request.subscriptions
+            ],
+            "depth": existing.depth if existing else (request.depth or DEFAULT_DEPTH),
+        }
+        old = settings.get("cqs")
+        if isinstance(old, dict) and "prefetch" in old:
+            cqs["prefetch"] = old["prefetch"]
+        if old == cqs:
+            return cqs_pb2.CreateOrConfigureQueueResponse()  # already so: no write
+        settings["cqs"] = cqs
+        command = internal_pb2.Command(
+            put=rpc_pb2.PutRequest(key=config_key, value=json.dumps(settings).encode())
+        )
+        await self._propose(command, context)
+        return cqs_pb2.CreateOrConfigureQueueResponse()
+
+    # -- BatchDequeue -------------------------------------------------------------
+
+    async def BatchDequeue(
+        self, request: cqs_pb2.BatchDequeueRequest, context: Context
+    ) -> cqs_pb2.BatchDequeueResponse:
+        name = request.queue_name
+        await self._known(name, context)
+        if request.max_notifications < 1:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "cqs: max_notifications must be at least 1"
+            )
+        if request.prefix_depth < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "cqs: prefix_depth is negative")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0, request.wait_time_milliseconds) / 1000
+        command = internal_pb2.Command()
+        c = command.cqs_dequeue
+        c.queue = name
+        c.max = min(request.max_notifications, MAX_NOTIFICATIONS)
+        c.depth = request.prefix_depth
+        while True:
+            q = self.state.cqs.queues.get(name)
+            if q is None:
+                await self._known(name, context)
+                raise AssertionError("unreachable")
+            now = now_ms()
+            next_visible = q.tree.earliest_visible()
+            if len(q.tree) or (next_visible is not None and next_visible <= now):
+                c.now_ms = now
+                c.visible_until_ms = now + self.visibility_ms
+                c.token_base = secrets.token_hex(8) + "-"
+                result = await self._propose(command, context)
+                assert isinstance(result, internal_pb2.CqsDequeueResponse)
+                if result.notifications:
+                    return cqs_pb2.BatchDequeueResponse(notifications=result.notifications)
+                continue
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return cqs_pb2.BatchDequeueResponse()
+            if next_visible is not None:
+                remaining = min(remaining, max(0.0, (next_visible - now) / 1000) + 0.001)
+            await self.waiters.wait(name, remaining)
+
+    # -- BatchAcknowledge ---------------------------------------------------------
+
+    async def BatchAcknowledge(
+        self, request: cqs_pb2.BatchAcknowledgeRequest, context: Context
+    ) -> cqs_pb2.BatchAcknowledgeResponse:
+        await self._known(request.queue_name, context)
+        if request.ack_tokens:
+            command = internal_pb2.Command()
+            c = command.cqs_settle
+            c.queue = request.queue_name
+            c.tokens.extend(request.ack_tokens)
+            c.now_ms = now_ms()
+            await self._propose(command, context)
+        return cqs_pb2.BatchAcknowledgeResponse()
+
+    # -- ReEnqueue ----------------------------------------------------------------
+
+    async def ReEnqueue(
+        self, request_iterator: AsyncIterator[cqs_pb2.ReEnqueueRequest], context: Context
+    ) -> cqs_pb2.ReEnqueueResponse:
+        stream = _Frames(request_iterator)
+        try:
+            first = await stream.next(None)
+            if first is _END:
+                await context.abort(grpc.StatusCode.CANCELLED, "cqs: stream ended without a Footer")
+            assert isinstance(first, cqs_pb2.ReEnqueueRequest)
+            if first.WhichOneof("payload") != "header":
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, "cqs: the first message must be a Header"
+                )
+            name, token = first.header.queue_name, first.header.ack_token
+            await self._known(name, context)
+            q = self.state.cqs.queues[name]
+            if q.tree.held(token, now_ms()) is None:
+                await abort(context, TokenNotHeld())
+            return await self._split(stream, name, token, context)
+        finally:
+            stream.close()
+
+    async def _split(
+        self, stream: _Frames, name: str, token: str, context: Context
+    ) -> cqs_pb2.ReEnqueueResponse:
+        loop = asyncio.get_running_loop()
+        vis_s = self.visibility_ms / 1000
+        extend_every = min(EXTEND_SECONDS, vis_s / 2) if vis_s > 0 else EXTEND_SECONDS
+        last_extend = loop.time()
+        since_extend = 0
+        enqueued = 0
+        batch: list[cqs_pb2.SplitItem] = []
+        flush_at: float | None = None
+
+        async def flush(commit: bool) -> None:
+            nonlocal last_extend, since_extend, enqueued, batch, flush_at
+            command = internal_pb2.Command()
+            c = command.cqs_enqueue
+            c.queue, c.original = name, token
+            c.items.extend(batch)
+            now = now_ms()
+            c.now_ms = now
+            since_extend += len(batch)
+            if not commit and (
+                since_extend >= EXTEND_ITEMS or loop.time() - last_extend >= extend_every
+            ):
+                c.visible_until_ms = now + self.visibility_ms
+                last_extend, since_extend = loop.time(), 0
+            c.commit = commit
+            result = await self._propose(command, context)
+            assert isinstance(result, internal_pb2.CqsEnqueueResponse)
+            enqueued += result.enqueued
+            batch = []
+            flush_at = None
+
+        while True:
+            wake = last_extend + extend_every
+            if flush_at is not None:
+                wake = min(wake, flush_at)
+            frame = await stream.next(max(0.0, wake - loop.time()))
+            if frame is _TIMEOUT:
+                await flush(False)  # due: the buffered items, or an extension alone
+                continue
+            if frame is _END:
+                if batch:
+                    await flush(False)
+                await context.abort(grpc.StatusCode.CANCELLED, "cqs: stream ended without a Footer")
+            assert isinstance(frame, cqs_pb2.ReEnqueueRequest)
+            kind = frame.WhichOneof("payload")
+            if kind == "item":
+                try:
+                    check_split_item(frame.item)
+                except InvalidNotification as e:
+                    if batch:
+                        await flush(False)
+                    await abort(context, e)
+                batch.append(frame.item)
+                if flush_at is None:
+                    flush_at = loop.time() + FLUSH_SECONDS
+                if len(batch) >= FLUSH_ITEMS or since_extend + len(batch) >= EXTEND_ITEMS:
+                    await flush(False)
+            elif kind == "footer":
+                await flush(True)
+                return cqs_pb2.ReEnqueueResponse(acknowledged=True, items_enqueued=enqueued)
+            else:
+                if batch:
+                    await flush(False)
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "cqs: a second Header" if kind == "header" else "cqs: an empty message",
+                )
+
+
+def _bad_queue_name(name: str) -> str | None:
+    if not name:
+        return "queue_name is required"
+    if "/" in name or name.encode().startswith(DTO_QUEUE_PREFIX):
+        return "queue_name is one path segment and does not start with 'dto:'"
+    if keys.parse(b"/q/" + name.encode()) is None:
+        return "queue_name is not a valid queue name"
+    return None
+
+
+_END = object()
+_TIMEOUT = object()
+
+
+class _Frames:
+    """A client stream read by a task of its own into a small buffer, so the
+    reader can wait for a frame with a timeout without cancelling the read."""
+
+    def __init__(self, source: AsyncIterator[cqs_pb2.ReEnqueueRequest]) -> None:
+        self._queue: asyncio.Queue[object] = asyncio.Queue(maxsize=FLUSH_ITEMS)
+        self._task = asyncio.get_running_loop().create_task(self._pump(source))
+
+    async def _pump(self, source: AsyncIterator[cqs_pb2.ReEnqueueRequest]) -> None:
+        try:
+            async for frame in source:
+                await self._queue.put(frame)
+        except Exception:  # the client went away: the same as an end without Footer
+            pass
+        await self._queue.put(_END)
+
+    async def next(self, timeout: float | None) -> object:
+        """The next frame, _END at the end of the stream, _TIMEOUT after `timeout` s."""
+        try:
+            return await asyncio.wait_for(self._queue.get(), timeout)
+        except TimeoutError:
+            return _TIMEOUT
+
+    def close(self) -> None:
+        self._task.cancel()

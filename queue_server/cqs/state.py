@@ -1,0 +1,366 @@
+"""The replicated part of CQS: queues, subscriptions and their notifications.
+
+What belongs here: every CQS change that must be the same on every replica,
+applied from the log. No I/O and no clock: times come in the commands (Unix ms
+read by the proposer), and so do ack-token bases, so apply stays deterministic.
+
+- A CQS queue is an etcd-key queue whose `/q/{name}/config` JSON has a `cqs`
+  object: `{"cqs": {"subscriptions": [{"dto_type": .., "alias_name": ..}],
+  "depth": 4}}`. `CreateOrConfigureQueue` writes that key, and so may any etcd
+  client; `follow` keeps the queues in step with it (deleting it deletes the
+  queue). `depth` is fixed when the queue is created.
+- Publishing is an etcd put on `/q/dto:{type}/p/{key}`: `check_publish` refuses
+  a malformed value before anything changes, and `publish` (inside the put's
+  apply) fans the notification out to every subscribed queue; nothing is written
+  under the key. A put on `/q/{queue}/p/{key}` of a CQS queue enqueues into that
+  queue alone.
+- `dequeue`, `settle` and `enqueue` apply the CQS log commands.
+
+`on_change(queue)` (node-local: long-polls and the etcd watch view) is told
+whenever a queue may have gained visible notifications.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+
+from etcdserverpb import cqs_pb2, internal_pb2
+from queue_server.cqs.tree import DEFAULT_DEPTH, Record, SlaQueue
+from queue_server.errors import EtcdError
+from queue_server.mq import keys
+from queue_server.mvcc.store import Event
+
+DTO_QUEUE_PREFIX = b"dto:"
+"""Queues named `dto:{dto_type}` are publication points, not queues."""
+MAX_DEPTH = 32
+"""The largest `depth` a queue may be created with."""
+
+
+class QueueNotFound(EtcdError):
+    code = "NOT_FOUND"
+    message = "cqs: queue not found"
+
+
+class TokenNotHeld(EtcdError):
+    code = "FAILED_PRECONDITION"
+    message = "cqs: ack_token is unknown, acknowledged or expired"
+
+
+class InvalidNotification(EtcdError):
+    code = "INVALID_ARGUMENT"
+    message = "cqs: invalid change notification"
+
+
+@dataclass(slots=True)
+class Published:
+    """A validated publication (or split item): what goes into a queue."""
+
+    dto_type: str
+    dto_id: str
+    is_parent: bool
+    alias: str
+    sla_us: int
+    tracking_id: str
+
+
+@dataclass(slots=True)
+class CqsQueue:
+    """One CQS queue: its subscriptions and its notifications."""
+
+    name: str
+    subscriptions: list[tuple[str, str]]
+    tree: SlaQueue
+    prefetch: int = 8  # for etcd watch consumers
+
+    @property
+    def depth(self) -> int:
+        return self.tree.depth
+
+
+def parse_cqs_config(raw: object) -> tuple[list[tuple[str, str]], int, int]:
+    """(subscriptions, depth, prefetch) of a config's `cqs` object; ValueError if bad."""
+    if not isinstance(raw, dict):
+        raise ValueError("cqs must be a JSON object")
+    unknown = set(raw) - {"subscriptions", "depth", "prefetch"}
+    if unknown:
+        raise ValueError(f"unknown cqs setting {sorted(unknown)[0]!r}")
+    subs = raw.get("subscriptions", [])
+    if not isinstance(subs, list):
+        raise ValueError("cqs.subscriptions must be a list")
+    out: list[tuple[str, str]] = []
+    for s in subs:
+        if not isinstance(s, dict) or set(s) - {"dto_type", "alias_name"}:
+            raise ValueError("a subscription is {dto_type, alias_name?}")
+        dto_type, alias = s.get("dto_type", ""), s.get("alias_name", "")
+        if not isinstance(dto_type, str) or not dto_type or not isinstance(alias, str):
+            raise ValueError("a subscription needs a dto_type")
+        if (dto_type, alias) not in out:
+            out.append((dto_type, alias))
+    depth = raw.get("depth", DEFAULT_DEPTH)
+    prefetch = raw.get("prefetch", 8)
+    if not isinstance(depth, int) or not isinstance(prefetch, int):
+        raise ValueError("cqs.depth and cqs.prefetch are integers")
+    if depth == 0:
+        depth = DEFAULT_DEPTH
+    if not 1 <= depth <= MAX_DEPTH or prefetch < 1:
+        raise ValueError(f"cqs.depth is 1..{MAX_DEPTH} and cqs.prefetch at least 1")
+    return out, depth, prefetch
+
+
+def _sla_us(ts: Any) -> int:
+    return int(ts.seconds) * 1_000_000 + int(ts.nanos) // 1000
+
+
+def parse_publication(dto_type: str | None, value: bytes) -> Published:
+    """A published value: JSON `{dto_id, alias_name?, sla_timestamp, tracking_id?}`
+    or a serialized DtoChangeNotification. `dto_type` is the one the key names;
+    None (a direct enqueue) takes it from the value. Raises InvalidNotification."""
+
+    def bad(why: str) -> InvalidNotification:
+        return InvalidNotification(f"cqs: invalid change notification: {why}")
+
+    n = cqs_pb2.DtoChangeNotification()
+    if value[:1] == b"{":
+        try:
+            raw = json.loads(value)
+        except ValueError as e:
+            raise bad(f"not JSON: {e}") from e
+        if not isinstance(raw, dict):
+            raise bad("expected a JSON object")
+        allowed = {"dto_id", "parent_id", "alias_name", "sla_timestamp", "tracking_id", "dto_type"}
+        unknown = set(raw) - allowed
+        if unknown:
+            raise bad(f"unknown field {sorted(unknown)[0]!r}")
+        try:
+            json_format.ParseDict(raw, n)
+        except json_format.ParseError as e:
+            raise bad(str(e)) from e
+    else:
+        try:
+            n.ParseFromString(value)
+        except DecodeError as e:
+            raise bad("neither JSON nor a DtoChangeNotification") from e
+    if dto_type is None:
+        if not n.dto_type:
+            raise bad("dto_type is required")
+        dto_type = n.dto_type
+    elif n.dto_type and n.dto_type != dto_type:
+        raise bad(f"dto_type {n.dto_type!r} is not the key's {dto_type!r}")
+    if n.WhichOneof("urn") == "parent_id":
+        raise bad("parent_id is CQS-internal and cannot be published")
+    if not n.dto_id:
+        raise bad("dto_id is required")
+    if not n.HasField("sla_timestamp"):
+        raise bad("sla_timestamp is required")
+    return Published(
+        dto_type, n.dto_id, False, n.alias_name, _sla_us(n.sla_timestamp), n.tracking_id
+    )
+
+
+def check_split_item(item: cqs_pb2.SplitItem) -> None:
+    """The seed's field-level rules for a ReEnqueue item."""
+    if not item.dto_type:
+        raise InvalidNotification("cqs: split item has no dto_type")
+    urn = item.WhichOneof("urn")
+    if urn is None or not getattr(item, urn):
+        raise InvalidNotification("cqs: split item has neither dto_id nor parent_id")
+
+
+def notification_of(record: Record) -> cqs_pb2.DtoChangeNotification:
+    n = cqs_pb2.DtoChangeNotification(
+        ack_token=record.token,
+        dto_type=record.dto_type,
+        alias_name=record.alias,
+        tracking_id=record.tracking_id,
+    )
+    if record.is_parent:
+        n.parent_id = record.dto_id
+    else:
+        n.dto_id = record.dto_id
+    n.sla_timestamp.seconds, micros = divmod(record.sla_us, 1_000_000)
+    n.sla_timestamp.nanos = micros * 1000
+    return n
+
+
+@dataclass
+class CqsState:
+    """All CQS queues of the state machine."""
+
+    queues: dict[str, CqsQueue] = field(default_factory=dict)
+    on_change: Callable[[str], None] | None = None
+    published: int = 0  # publications applied
+    dropped: int = 0  # publications with no subscriber
+    _subscribers: dict[str, list[tuple[CqsQueue, str]]] = field(default_factory=dict)
+
+    def _changed(self, name: str) -> None:
+        if self.on_change is not None:
+            self.on_change(name)
+
+    def get(self, name: str) -> CqsQueue:
+        q = self.queues.get(name)
+        if q is None:
+            raise QueueNotFound(f"cqs: queue {name!r} not found")
+        return q
+
+    def is_cqs(self, name: bytes) -> bool:
+        return name.decode(errors="replace") in self.queues
+
+    # -- configuration (follows /q/{name}/config) ---------------------------------
+
+    def follow(self, events: list[Event]) -> None:
+        """Store hook: queues in step with their config keys."""
+        for e in events:
+            key = e.kv.key
+            if not key.startswith(keys.SHORT) or not key.endswith(b"/config"):
+                continue
+            qk = keys.parse(key)
+            if qk is None or qk.kind != "config":
+                continue
+            name = qk.name.decode(errors="replace")
+            raw = None if e.is_delete else json.loads(e.kv.value or b"{}").get("cqs")
+            if raw is None:
+                if self.queues.pop(name, None) is not None:
+                    self._reindex()
+                continue
+            subs, depth, prefetch = parse_cqs_config(raw)
+            q = self.queues.get(name)
+            if q is None:
+                q = self.queues[name] = CqsQueue(name, subs, SlaQueue(depth=depth))
+            q.subscriptions = subs
+            q.prefetch = prefetch
+            self._reindex()
+            self._changed(name)
+
+    def _reindex(self) -> None:
+        index: dict[str, list[tuple[CqsQueue, str]]] = {}
+        for q in self.queues.values():
+            for dto_type, alias in q.subscriptions:
+                index.setdefault(dto_type, []).append((q, alias))
+        self._subscribers = index
+
+    # -- publishing (hooks into the put of a producer key) -------------------------
+
+    def claims(self, qk: keys.QueueKey) -> bool:
+        """Whether a produce key is a CQS publication or a direct CQS enqueue."""
+        return qk.spelling == keys.SHORT and (
+            qk.name.startswith(DTO_QUEUE_PREFIX) or self.is_cqs(qk.name)
+        )
+
+    def check_publish(self, qk: keys.QueueKey, value: bytes) -> None:
+        parse_publication(self._dto_type_of(qk), value)
+
+    def _dto_type_of(self, qk: keys.QueueKey) -> str | None:
+        if qk.name.startswith(DTO_QUEUE_PREFIX):
+            return qk.name[len(DTO_QUEUE_PREFIX) :].decode(errors="replace")
+        return None  # a direct enqueue: the value names its type
+
+    def publish(self, qk: keys.QueueKey, value: bytes) -> int:
+        """Fan a publication out (or enqueue it directly); returns the queues reached."""
+        self.published += 1
+        p = parse_publication(self._dto_type_of(qk), value)
+        if not qk.name.startswith(DTO_QUEUE_PREFIX):
+            self._add(self.queues[qk.name.decode(errors="replace")], p)
+            return 1
+        reached = 0
+        for q, alias in self._subscribers.get(p.dto_type, ()):
+            if alias == p.alias:
+                self._add(q, p)
+                reached += 1
+        if not reached:
+            self.dropped += 1
+        return reached
+
+    def _add(self, q: CqsQueue, p: Published) -> None:
+        q.tree.enqueue(
+            p.dto_type,
+            p.dto_id,
+            p.sla_us,
+            is_parent=p.is_parent,
+            alias=p.alias,
+            tracking_id=p.tracking_id,
+        )
+        self._changed(q.name)
+
+    # -- log commands -------------------------------------------------------------
+
+    def _expire(self, q: CqsQueue, now_ms: int) -> None:
+        if q.tree.expire(now_ms):
+            self._changed(q.name)
+
+    def dequeue(self, c: internal_pb2.CqsDequeue) -> internal_pb2.CqsDequeueResponse:
+        q = self.get(c.queue)
+        self._expire(q, c.now_ms)
+        taken = q.tree.dequeue(c.max, c.depth, c.visible_until_ms, c.token_base)
+        resp = internal_pb2.CqsDequeueResponse()
+        for r in taken:
+            resp.notifications.append(notification_of(r))
+            resp.seq.append(q.tree.seq_of(r))
+        return resp
+
+    def settle(self, c: internal_pb2.CqsSettle) -> internal_pb2.CqsSettleResponse:
+        q = self.get(c.queue)
+        self._expire(q, c.now_ms)
+        tokens = list(c.tokens)
+        if c.release:
+            done = q.tree.release(tokens)
+            if done:
+                self._changed(q.name)
+        else:
+            done = q.tree.ack(tokens)
+        return internal_pb2.CqsSettleResponse(settled=done)
+
+    def enqueue(self, c: internal_pb2.CqsEnqueue) -> internal_pb2.CqsEnqueueResponse:
+        """ReEnqueue items: all checked first, so a bad one changes nothing."""
+        q = self.get(c.queue)
+        self._expire(q, c.now_ms)
+        original = q.tree.held(c.original, c.now_ms)
+        if original is None:
+            raise TokenNotHeld()
+        for item in c.items:
+            check_split_item(item)
+        sla, tracking = original.sla_us, original.tracking_id
+        for item in c.items:
+            urn = item.WhichOneof("urn")
+            q.tree.enqueue(
+                item.dto_type,
+                getattr(item, urn or "dto_id"),
+                sla,
+                is_parent=urn == "parent_id",
+                alias=item.alias_name,
+                tracking_id=tracking,
+            )
+        if c.visible_until_ms:
+            q.tree.extend(c.original, c.visible_until_ms)
+        if c.commit:
+            q.tree.ack([c.original])
+        if c.items:
+            self._changed(q.name)
+        return internal_pb2.CqsEnqueueResponse(enqueued=len(c.items))
+
+    # -- snapshots ----------------------------------------------------------------
+
+    def export_state(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "name": q.name,
+                "subscriptions": list(q.subscriptions),
+                "prefetch": q.prefetch,
+                "tree": q.tree.export_state(),
+            }
+            for q in self.queues.values()
+        ]
+
+    def restore_state(self, state: Iterable[dict[str, Any]]) -> None:
+        self.queues = {}
+        for s in state:
+            subs = [(str(t), str(a)) for t, a in s["subscriptions"]]
+            self.queues[s["name"]] = CqsQueue(
+                s["name"], subs, SlaQueue.from_state(s["tree"]), s["prefetch"]
+            )
+        self._reindex()
