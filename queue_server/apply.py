@@ -25,8 +25,9 @@ from queue_server.cqs.state import CqsState
 from queue_server.errors import EtcdError, NoSpace
 from queue_server.kv.executor import KVExecutor, is_read_only
 from queue_server.lease.lessor import Lessor
+from queue_server.mq.keys import parse as parse_queue_key
 from queue_server.mq.state import QueueState
-from queue_server.mvcc.store import Event, MVCCStore
+from queue_server.mvcc.store import Event, KeyValue, MVCCStore
 
 Command = internal_pb2.Command
 ApplyResult = Message | EtcdError
@@ -74,7 +75,13 @@ class StateMachine:
             self.queues.check_put,
             self.queues.rewrite_put,
             self.queues.begin_checks,
+            self._cqs_view,
         )
+
+    def _cqs_view(self, key: bytes, end: bytes | None, revision: int) -> list[KeyValue]:
+        if not self.cqs.queues or (not key.startswith(b"/q/") and (end is None or end <= b"/q/")):
+            return []
+        return self.cqs.view_range(key, end, revision)
 
     def _on_commit(self, revision: int, events: list[Event]) -> None:
         self.lessor.follow(revision, events)
@@ -137,6 +144,19 @@ class StateMachine:
         return resp
 
     # -- reads ----------------------------------------------------------------
+
+    def cqs_ack_of(self, r: rpc_pb2.DeleteRangeRequest) -> internal_pb2.Command | None:
+        """The CqsSettle a delete of one CQS delivery key `/q/{queue}/{seq}/{token}`
+        stands for (its caller adds the clock), or None for any other delete."""
+        if r.range_end or not r.key.startswith(b"/q/"):
+            return None
+        qk = parse_queue_key(r.key)
+        if qk is None or qk.kind != "message" or not self.cqs.is_cqs(qk.name):
+            return None
+        command = internal_pb2.Command()
+        command.cqs_settle.queue = qk.name.decode()
+        command.cqs_settle.tokens.append(qk.key.decode(errors="replace"))
+        return command
 
     def read_range(self, request: rpc_pb2.RangeRequest) -> rpc_pb2.RangeResponse:
         return self.kv.range(request)

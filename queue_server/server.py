@@ -41,6 +41,7 @@ from queue_server.api.watch import WatchService, run_progress_notifier
 from queue_server.apply import StateMachine
 from queue_server.compactor import CompactionPlanner, parse_retention, run_compactor
 from queue_server.config import GRPC_OVERHEAD_BYTES, Config
+from queue_server.cqs.watch_view import CqsWatchConsumers
 from queue_server.errors import EtcdError, LeaseNotFound
 from queue_server.lease.expiry import ExpiryClock
 from queue_server.lease.ids import LeaseIdGenerator
@@ -215,7 +216,21 @@ class Server:
             LeaseService(self.state, writes, self.expiry, header, ids, self.dispatcher), services
         )
         self.cqs_waiters = QueueWaiters()
-        self.state.cqs.on_change = self.cqs_waiters.notify
+        cqs_view = CqsWatchConsumers(
+            self.state.cqs,
+            lambda: self.state.store,
+            self.log.propose,
+            self._spawn,
+            cfg.cqs_visibility_timeout,
+        )
+        self.dispatcher.cqs_view = cqs_view
+        waiters_notify, view_on_change = self.cqs_waiters.notify, cqs_view.on_change
+
+        def on_cqs_change(name: str) -> None:
+            waiters_notify(name)
+            view_on_change(name)
+
+        self.state.cqs.on_change = on_cqs_change
         cqs_pb2_grpc.add_DtoChangeQueueServiceServicer_to_server(
             CqsService(self.state, writes, self.cqs_waiters, cfg.cqs_visibility_timeout), services
         )

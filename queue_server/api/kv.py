@@ -7,6 +7,8 @@ etcd's status, fill the header.
 
 from __future__ import annotations
 
+import time
+
 from grpc import aio
 
 from etcdserverpb import internal_pb2, rpc_pb2, rpc_pb2_grpc
@@ -58,6 +60,19 @@ class KVService(rpc_pb2_grpc.KVServicer):
             validation.check_delete(request)
         except EtcdError as e:
             await abort(context, e)
+        settle = self.state.cqs_ack_of(request)
+        if settle is not None:  # deleting a CQS delivery key acknowledges it
+            settle.cqs_settle.now_ms = int(time.time() * 1000)
+            try:
+                result = await self.log.propose(settle)
+            except EtcdError as e:
+                await abort(context, e)
+            if isinstance(result, EtcdError):
+                await abort(context, result)
+            assert isinstance(result, internal_pb2.CqsSettleResponse)
+            resp = rpc_pb2.DeleteRangeResponse(deleted=result.settled)
+            self.header.fill(resp.header)
+            return resp
         return await self._propose(Command(delete_range=request), context)  # type: ignore[return-value]
 
     async def Txn(self, request: rpc_pb2.TxnRequest, context: Context) -> rpc_pb2.TxnResponse:

@@ -17,7 +17,7 @@ read by the proposer), and so do ack-token bases, so apply stays deterministic.
 - `dequeue`, `settle` and `enqueue` apply the CQS log commands.
 
 `on_change(queue)` (node-local: long-polls and the etcd watch view) is told
-whenever a queue may have gained visible notifications.
+whenever a queue may have gained visible notifications or lost in-flight ones.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from etcdserverpb import cqs_pb2, internal_pb2
 from queue_server.cqs.tree import DEFAULT_DEPTH, Record, SlaQueue
 from queue_server.errors import EtcdError
 from queue_server.mq import keys
-from queue_server.mvcc.store import Event
+from queue_server.mvcc.store import Event, KeyValue
 
 DTO_QUEUE_PREFIX = b"dto:"
 """Queues named `dto:{dto_type}` are publication points, not queues."""
@@ -307,12 +307,9 @@ class CqsState:
         q = self.get(c.queue)
         self._expire(q, c.now_ms)
         tokens = list(c.tokens)
-        if c.release:
-            done = q.tree.release(tokens)
-            if done:
-                self._changed(q.name)
-        else:
-            done = q.tree.ack(tokens)
+        done = q.tree.release(tokens) if c.release else q.tree.ack(tokens)
+        if done:  # visible again, or room for a watch consumer
+            self._changed(q.name)
         return internal_pb2.CqsSettleResponse(settled=done)
 
     def enqueue(self, c: internal_pb2.CqsEnqueue) -> internal_pb2.CqsEnqueueResponse:
@@ -342,6 +339,49 @@ class CqsState:
         if c.items:
             self._changed(q.name)
         return internal_pb2.CqsEnqueueResponse(enqueued=len(c.items))
+
+    # -- the etcd view of the queues -----------------------------------------------
+
+    def view_range(self, key: bytes, end: bytes | None, revision: int) -> list[KeyValue]:
+        """The notifications of CQS queues inside [key, end) (`end` None: the key
+        alone; b"": no upper bound), as keys `/q/{queue}/{seq}/pending` (pending)
+        and `/q/{queue}/{seq}/{ack_token}` (in flight) with the notification as
+        JSON, in key order. They exist only now: every key carries the current
+        revision. O(n log n) in the queue's size: an inspection view, not a way
+        to consume."""
+
+        def inside(k: bytes) -> bool:
+            if end is None:
+                return k == key
+            return key <= k and (end == b"" or k < end)
+
+        out: list[KeyValue] = []
+        for name, q in self.queues.items():
+            prefix = b"/q/" + name.encode() + b"/"
+            upper = prefix[:-1] + b"0"  # every key under the prefix sorts below this
+            if end is None:
+                if not key.startswith(prefix):
+                    continue
+            elif key >= upper or (end != b"" and end <= prefix):
+                continue
+            rows: list[tuple[int, Record, bool]] = [
+                (q.tree.seq_of(r), r, False) for r in q.tree.pending()
+            ]
+            rows.extend((q.tree.seq_of(r), r, True) for r, _ in q.tree.in_flight_records())
+            rows.sort(key=lambda row: row[0])
+            queue = name.encode()
+            for seq, r, held in rows:
+                k = keys.message_key(
+                    keys.SHORT, queue, seq, r.token.encode() if held else b"pending"
+                )
+                if not inside(k):
+                    continue
+                n = notification_of(r)
+                if not held:
+                    n.ack_token = ""
+                value = json_format.MessageToJson(n, preserving_proto_field_name=True, indent=None)
+                out.append(KeyValue(k, revision, revision, 1, value.encode(), 0))
+        return out
 
     # -- snapshots ----------------------------------------------------------------
 

@@ -243,17 +243,19 @@ class SlaQueue:
     def dequeue(
         self, max_records: int, depth: int, visible_at: float, token_base: str | None = None
     ) -> list[Record]:
-        """Take up to `max_records`: the most urgent, then its prefix group. Each
+        """Take up to `max_records`: the most urgent, then its prefix group (`depth`
+        0: the queue's depth; negative: no grouping, plain queue order). Each
         gets a fresh ack token (`token_base` + its seq, so a replica mints the
         same ones; random without a base) and stays in flight until acked or
         `visible_at`."""
         if not self._all or max_records < 1:
             return []
-        if depth <= 0:
+        if depth == 0:
             depth = self.depth
         first = self._by_priority[self._all[0]]
         taken: list[Record] = []
-        for record in self._group(first, depth):
+        group = self.pending() if depth < 0 else self._group(first, depth)
+        for record in group:
             taken.append(record)
             if len(taken) >= max_records:
                 break

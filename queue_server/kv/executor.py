@@ -80,7 +80,9 @@ class KVExecutor:
     turns a producer key into a message key this way), or None when the hook
     consumed the put (a CQS publication writes no key); `begin_checks()` is called
     before the puts of one request are checked, so a check can count across
-    them (a Txn producing several messages into a queue near its max_depth).
+    them (a Txn producing several messages into a queue near its max_depth);
+    `range_view(key, end, revision)` adds keys that live outside the store to a
+    current Range (the CQS notifications).
     """
 
     def __init__(
@@ -90,12 +92,14 @@ class KVExecutor:
         check_put: Callable[[bytes, bytes], None] = _any_put,
         rewrite_put: Callable[[bytes, bytes], bytes | None] = _same_key,
         begin_checks: Callable[[], None] = _nothing,
+        range_view: Callable[[bytes, bytes | None, int], list[KeyValue]] | None = None,
     ) -> None:
         self.store = store
         self.lease_exists = lease_exists
         self.check_put_hook = check_put
         self.rewrite_put = rewrite_put
         self.begin_checks = begin_checks
+        self.range_view = range_view
 
     # -- Range ----------------------------------------------------------------
 
@@ -110,8 +114,16 @@ class KVExecutor:
         )
         limit = 0 if needs_all or r.limit <= 0 else r.limit + 1
         reader = txn if txn is not None else self.store
-        rr = reader.range(r.key, range_end_of(r.range_end), r.revision, limit, r.count_only)
+        end = range_end_of(r.range_end)
+        rr = reader.range(r.key, end, r.revision, limit, r.count_only)
         kvs = rr.kvs
+        count = rr.count
+        if self.range_view is not None and (not r.revision or r.revision == rr.revision):
+            shown = self.range_view(r.key, end, rr.revision)
+            if shown:  # keys that are not in the store (CQS notifications) join in
+                count += len(shown)
+                if not r.count_only:
+                    kvs = sorted([*kvs, *shown], key=lambda kv: kv.key)
         if r.max_mod_revision:
             kvs = [kv for kv in kvs if kv.mod_revision <= r.max_mod_revision]
         if r.min_mod_revision:
@@ -141,7 +153,7 @@ class KVExecutor:
             kvs = kvs[: r.limit]
             resp.more = True
         resp.header.revision = rr.revision
-        resp.count = rr.count
+        resp.count = count
         add = resp.kvs.add
         keys_only = r.keys_only
         for kv in kvs:

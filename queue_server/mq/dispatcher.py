@@ -36,6 +36,7 @@ from typing import Any
 from sortedcontainers import SortedDict
 
 from etcdserverpb import internal_pb2, kv_pb2, rpc_pb2
+from queue_server.cqs.watch_view import CqsWatchConsumers
 from queue_server.mq import keys
 from queue_server.mq.state import QueueState
 from queue_server.mvcc.store import Event, MVCCStore
@@ -112,6 +113,8 @@ class Dispatcher:
         self.by_watcher: dict[Watcher, Consumer] = {}
         self.delivered = 0
         self.redelivered = 0
+        # consumers of CQS queues are served by the CQS watch view
+        self.cqs_view: CqsWatchConsumers | None = None
 
     def runtime(self, name: bytes) -> QueueRuntime:
         rt = self.runtimes.get(name)
@@ -146,6 +149,15 @@ class Dispatcher:
         consumer_id = (
             qk.consumer if keys.valid_consumer_id(qk.consumer) else str(uuid.uuid4()).encode()
         )
+        if (
+            self.cqs_view is not None
+            and qk.spelling == keys.SHORT
+            and self.queues.cqs.is_cqs(qk.name)
+        ):
+            self.cqs_view.register(watcher, qk.name.decode(), consumer_id)
+            self._put(keys.consumer_key(keys.SHORT, qk.name, consumer_id), self.node_name)
+            self._put(keys.registry_key(keys.SHORT, qk.name), self.node_name)
+            return
         q = self.queues.queue(qk.name, qk.spelling)
         consumer = Consumer(consumer_id, qk.name, watcher)
         rt = self.runtime(qk.name)
@@ -159,6 +171,13 @@ class Dispatcher:
 
     def unregister(self, watcher: Watcher) -> None:
         """The consumer's watch ended: it gives back what it held."""
+        view = self.cqs_view
+        viewer = view.unregister(watcher) if view is not None else None
+        if view is not None and viewer is not None:
+            if not any(c.consumer_id == viewer.consumer_id for c in view.by_watcher.values()):
+                name = viewer.queue.encode()
+                self._delete(keys.consumer_key(keys.SHORT, name, viewer.consumer_id))
+            return
         consumer = self.by_watcher.pop(watcher, None)
         if consumer is None:
             return

@@ -1,0 +1,200 @@
+"""The etcd view of CQS queues: consumers that are plain etcd watches.
+
+A watch on `/q/{queue}/c/{uuid}` of a CQS queue receives the queue's
+notifications in SLA order (the queue's order, without prefix grouping), as PUT events of a
+delivery key `/q/{queue}/{seq}/{ack_token}` whose value is the notification as
+JSON (proto field names, `sla_timestamp` in RFC 3339, `ack_token` included).
+Deleting that key acknowledges it, exactly like BatchAcknowledge (the KV service
+turns the delete into a `CqsSettle`). Unacknowledged deliveries come back after
+the visibility timeout, like any CQS delivery.
+
+What belongs here (node-local, nothing replicated): the consumers of each queue
+and the tokens each holds. A consumer holds at most its queue's `prefetch`
+deliveries; more are taken by proposing a `CqsDequeue` for it, one proposal per
+queue at a time. A consumer that goes away gives what it holds back at once
+(`CqsSettle` with `release`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from google.protobuf import json_format
+
+from etcdserverpb import internal_pb2, kv_pb2, rpc_pb2
+from queue_server.cqs.state import CqsState
+from queue_server.mq import keys
+from queue_server.mvcc.store import MVCCStore
+from queue_server.watch.hub import Watcher
+
+log = logging.getLogger(__name__)
+
+Propose = Callable[[internal_pb2.Command], Awaitable[object]]
+Spawn = Callable[[Coroutine[Any, Any, None]], object]
+
+
+def delivery_key(queue: str, seq: int, token: str) -> bytes:
+    return keys.message_key(keys.SHORT, queue.encode(), seq, token.encode())
+
+
+def delivery_token(queue_key: keys.QueueKey) -> str:
+    """The ack token a delivery key names."""
+    return queue_key.key.decode(errors="replace")
+
+
+@dataclass(eq=False, slots=True)
+class ViewConsumer:
+    """One etcd watch consuming a CQS queue, and the tokens it holds."""
+
+    consumer_id: bytes
+    queue: str
+    watcher: Watcher
+    held: set[str] = field(default_factory=set)
+
+
+class CqsWatchConsumers:
+    """All etcd-watch consumers of CQS queues on this node."""
+
+    def __init__(
+        self,
+        cqs: CqsState,
+        store_of: Callable[[], MVCCStore],
+        propose: Propose,
+        spawn: Spawn,
+        visibility_timeout: float,
+    ) -> None:
+        self.cqs = cqs
+        self._store_of = store_of
+        self.propose = propose
+        self.spawn = spawn
+        self.visibility_ms = int(visibility_timeout * 1000)
+        self.by_queue: dict[str, list[ViewConsumer]] = {}
+        self.by_watcher: dict[Watcher, ViewConsumer] = {}
+        self._pumping: set[str] = set()
+        self._again: set[str] = set()
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+
+    def register(self, watcher: Watcher, queue: str, consumer_id: bytes) -> None:
+        c = ViewConsumer(consumer_id, queue, watcher)
+        self.by_queue.setdefault(queue, []).append(c)
+        self.by_watcher[watcher] = c
+        self.on_change(queue)
+
+    def unregister(self, watcher: Watcher) -> ViewConsumer | None:
+        """The watch ended: what it held is visible again at once."""
+        c = self.by_watcher.pop(watcher, None)
+        if c is None:
+            return None
+        consumers = self.by_queue.get(c.queue, [])
+        if c in consumers:
+            consumers.remove(c)
+        if not consumers:
+            self.by_queue.pop(c.queue, None)
+        if c.held and c.queue in self.cqs.queues:
+            command = internal_pb2.Command()
+            command.cqs_settle.queue = c.queue
+            command.cqs_settle.tokens.extend(sorted(c.held))
+            command.cqs_settle.now_ms = int(time.time() * 1000)
+            command.cqs_settle.release = True
+            self.spawn(self._propose_quietly(command))
+        return c
+
+    async def _propose_quietly(self, command: internal_pb2.Command) -> None:
+        try:
+            await self.propose(command)
+        except Exception as e:  # the visibility timeout brings them back anyway
+            log.warning("cqs release failed error=%s", e)
+
+    def on_change(self, queue: str) -> None:
+        """The queue may have visible notifications, or a consumer has room."""
+        if queue not in self.by_queue:
+            return
+        if queue in self._pumping:
+            self._again.add(queue)
+            return
+        self._pumping.add(queue)
+        self.spawn(self._pump(queue))
+
+    async def _pump(self, queue: str) -> None:
+        try:
+            while True:
+                self._again.discard(queue)
+                if not await self._deliver_once(queue) and queue not in self._again:
+                    return
+        finally:
+            self._pumping.discard(queue)
+
+    async def _deliver_once(self, queue: str) -> bool:
+        """Give the consumer with the most room one batch; False if nothing to do."""
+        q = self.cqs.queues.get(queue)
+        consumers = self.by_queue.get(queue)
+        if q is None or not consumers:
+            return False
+        now = int(time.time() * 1000)
+        for c in consumers:
+            c.held = {t for t in c.held if q.tree.held(t, now) is not None}
+        c = max(consumers, key=lambda c: q.prefetch - len(c.held))
+        room = q.prefetch - len(c.held)
+        if room <= 0:
+            return False
+        next_visible = q.tree.earliest_visible()
+        if not len(q.tree) and (next_visible is None or next_visible > now):
+            if next_visible is not None:
+                self._wake_at(queue, next_visible - now)
+            return False
+        command = internal_pb2.Command()
+        d = command.cqs_dequeue
+        d.queue, d.max, d.depth, d.now_ms = queue, room, -1, now  # plain SLA order
+        d.visible_until_ms = now + self.visibility_ms
+        d.token_base = secrets.token_hex(8) + "-"
+        try:
+            result = await self.propose(command)
+        except Exception as e:
+            log.warning("cqs delivery failed queue=%s error=%s", queue, e)
+            return False
+        if not isinstance(result, internal_pb2.CqsDequeueResponse):
+            return False
+        if c.watcher not in self.by_watcher:  # gone while we waited: give them back
+            c.held.update(n.ack_token for n in result.notifications)
+            self.by_watcher[c.watcher] = c
+            self.unregister(c.watcher)
+            return True
+        self._push(c, result)
+        return bool(result.notifications)
+
+    def _push(self, c: ViewConsumer, result: internal_pb2.CqsDequeueResponse) -> None:
+        if not result.notifications:
+            return
+        store = self._store_of()
+        response = rpc_pb2.WatchResponse(watch_id=c.watcher.watch_id)
+        response.header.revision = store.revision
+        size = 0
+        for n, seq in zip(result.notifications, result.seq, strict=True):
+            c.held.add(n.ack_token)
+            ev = response.events.add()
+            ev.type = kv_pb2.Event.PUT
+            ev.kv.key = delivery_key(c.queue, seq, n.ack_token)
+            ev.kv.value = json_format.MessageToJson(
+                n, preserving_proto_field_name=True, indent=None
+            ).encode()
+            ev.kv.create_revision = ev.kv.mod_revision = store.revision
+            ev.kv.version = 1
+            size += len(ev.kv.key) + len(ev.kv.value)
+        c.watcher.stream.push(response, size)
+
+    def _wake_at(self, queue: str, delay_ms: float) -> None:
+        if queue in self._timers:
+            return
+        loop = asyncio.get_running_loop()
+
+        def wake() -> None:
+            self._timers.pop(queue, None)
+            self.on_change(queue)
+
+        self._timers[queue] = loop.call_later(max(0, delay_ms) / 1000 + 0.001, wake)
