@@ -38,6 +38,7 @@ DEFAULT_DEPTH = 4
 _SEQ_BITS = 34
 _SEG_BITS = 6
 _MAX_SEGMENTS = (1 << _SEG_BITS) - 1
+_LOW_BITS = _SEQ_BITS + _SEG_BITS
 
 
 def priority_of(sla_us: int, segments: int, seq: int) -> int:
@@ -57,7 +58,6 @@ class Record:
         "dto_type",
         "is_parent",
         "priority",
-        "sla_us",
         "token",
         "tracking_id",
     )
@@ -76,10 +76,14 @@ class Record:
         self.dto_id = dto_id
         self.is_parent = is_parent
         self.alias = alias
-        self.sla_us = sla_us
         self.tracking_id = tracking_id
-        self.priority = priority
+        # the SLA lives in the priority's high bits; `sla_us` reads it back
+        self.priority = priority or priority_of(sla_us, dto_id.count("/") + 1, 0)
         self.token = ""
+
+    @property
+    def sla_us(self) -> int:
+        return self.priority >> _LOW_BITS
 
     def __hash__(self) -> int:
         return hash((self.dto_type, self.is_parent, self.dto_id, self.alias))
@@ -120,15 +124,13 @@ class SlaQueue:
     depth: int = DEFAULT_DEPTH
     _seq: int = 0
     _all: SortedList = field(default_factory=SortedList)  # priorities (ints)
-    _levels: list[dict[str, SortedList]] = field(default_factory=list)  # prefix -> priorities
+    _groups: dict[str, SortedList] = field(default_factory=dict)  # depth-K prefix -> priorities
+    _group_keys: SortedList = field(default_factory=SortedList)  # the prefixes of _groups
     _by_priority: dict[int, Record] = field(default_factory=dict)
     _pending: dict[Record, Record] = field(default_factory=dict)
     _in_flight: dict[str, InFlight] = field(default_factory=dict)
     _expiry: list[tuple[float, str]] = field(default_factory=list)  # heap of (visible_at, token)
     _interned: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self._levels = [{} for _ in range(self.depth)]
 
     def __len__(self) -> int:
         """Pending notifications (not in flight)."""
@@ -184,7 +186,7 @@ class SlaQueue:
                 self._reprioritize(existing, sla_us, tracking_id)
             return existing
         self._seq += 1
-        probe.priority = priority_of(sla_us, dto_id.count("/") + 1, self._seq)
+        probe.priority = priority_of(sla_us, dto_id.count("/") + 1, self._seq)  # with its seq
         self._pending[probe] = probe
         self._link(probe)
         return probe
@@ -192,7 +194,6 @@ class SlaQueue:
     def _reprioritize(self, record: Record, sla_us: int, tracking_id: str) -> None:
         """A more urgent SLA for a pending record; its place among equals stays."""
         self._unlink(record)
-        record.sla_us = sla_us
         record.tracking_id = tracking_id
         seq = record.priority & ((1 << _SEQ_BITS) - 1)
         record.priority = priority_of(sla_us, record.dto_id.count("/") + 1, seq)
@@ -202,25 +203,23 @@ class SlaQueue:
         key = record.priority
         self._by_priority[key] = record
         self._all.add(key)
-        parts = record.dto_id.split("/", self.depth)
-        for d, level in enumerate(self._levels, start=1):
-            p = "/".join(parts[:d])
-            lst = level.get(p)
-            if lst is None:
-                lst = level[p] = SortedList()
-            lst.add(key)
+        p = prefix(record.dto_id, self.depth)
+        lst = self._groups.get(p)
+        if lst is None:
+            lst = self._groups[p] = SortedList()
+            self._group_keys.add(p)
+        lst.add(key)
 
     def _unlink(self, record: Record) -> None:
         key = record.priority
         del self._by_priority[key]
         self._all.remove(key)
-        parts = record.dto_id.split("/", self.depth)
-        for d, level in enumerate(self._levels, start=1):
-            p = "/".join(parts[:d])
-            lst = level[p]
-            lst.remove(key)
-            if not lst:
-                del level[p]
+        p = prefix(record.dto_id, self.depth)
+        lst = self._groups[p]
+        lst.remove(key)
+        if not lst:
+            del self._groups[p]
+            self._group_keys.remove(p)
 
     # -- dequeue ------------------------------------------------------------------
 
@@ -230,12 +229,25 @@ class SlaQueue:
         if depth > segments:
             depth = segments  # a depth past the id groups by the whole id
         records = self._by_priority
-        if depth <= self.depth:
-            for key in self._levels[depth - 1][prefix(first.dto_id, depth)]:
+        if depth == self.depth:
+            for key in self._groups[prefix(first.dto_id, depth)]:
                 yield records[key]
             return
         want = prefix(first.dto_id, depth)
-        for key in self._levels[self.depth - 1][prefix(first.dto_id, self.depth)]:
+        if depth < self.depth:
+            # the depth-K groups under `want`, merged in priority order
+            under = want + "/"
+            lists = []
+            for p in self._group_keys.irange(minimum=want):
+                if p != want and not p.startswith(under):
+                    if not p.startswith(want):
+                        break
+                    continue  # "t/ab" after "t/a": same characters, another segment
+                lists.append(self._groups[p])
+            for key in heapq.merge(*lists):
+                yield records[key]
+            return
+        for key in self._groups[prefix(first.dto_id, self.depth)]:
             record = records[key]
             if record.dto_id == want or record.dto_id.startswith(want + "/"):
                 yield record
