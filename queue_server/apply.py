@@ -79,7 +79,7 @@ class StateMachine:
         )
 
     def _cqs_view(self, key: bytes, end: bytes | None, revision: int) -> list[KeyValue]:
-        if not self.cqs.queues or (not key.startswith(b"/q/") and (end is None or end <= b"/q/")):
+        if not self.cqs.queues:
             return []
         return self.cqs.view_range(key, end, revision)
 

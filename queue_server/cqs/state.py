@@ -313,7 +313,8 @@ class CqsState:
         return internal_pb2.CqsSettleResponse(settled=done)
 
     def enqueue(self, c: internal_pb2.CqsEnqueue) -> internal_pb2.CqsEnqueueResponse:
-        """ReEnqueue items: all checked first, so a bad one changes nothing."""
+        """ReEnqueue items: all checked first, so a bad one changes nothing but
+        the expiry due at `now_ms` (which any command applies first)."""
         q = self.get(c.queue)
         self._expire(q, c.now_ms)
         original = q.tree.held(c.original, c.now_ms)
