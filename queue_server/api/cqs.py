@@ -27,7 +27,7 @@ import grpc
 from grpc import aio
 
 from etcdserverpb import cqs_pb2, cqs_pb2_grpc, internal_pb2, rpc_pb2
-from queue_server.api.errors import abort
+from queue_server.api.errors import abort, propose_checked
 from queue_server.apply import Proposer, StateMachine
 from queue_server.cqs.state import (
     DTO_QUEUE_PREFIX,
@@ -38,7 +38,6 @@ from queue_server.cqs.state import (
     check_split_item,
 )
 from queue_server.cqs.tree import DEFAULT_DEPTH
-from queue_server.errors import EtcdError
 from queue_server.mq import keys
 
 Context = aio.ServicerContext[object, object]
@@ -101,13 +100,7 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
         self.visibility_ms = int(visibility_timeout * 1000)
 
     async def _propose(self, command: internal_pb2.Command, context: Context) -> object:
-        try:
-            result = await self.log.propose(command)
-        except EtcdError as e:
-            await abort(context, e)
-        if isinstance(result, EtcdError):
-            await abort(context, result)
-        return result
+        return await propose_checked(self.log, command, context)
 
     async def _known(self, name: str, context: Context) -> None:
         if name not in self.state.cqs.queues:

@@ -26,19 +26,27 @@ async def abort_unknown(context: aio.ServicerContext[object, object], message: s
     raise AssertionError("unreachable: abort raises")
 
 
-async def propose_or_abort(
-    log: Proposer,
-    command: internal_pb2.Command,
-    context: aio.ServicerContext[object, object],
-    header: HeaderFiller,
+async def propose_checked(
+    log: Proposer, command: internal_pb2.Command, context: aio.ServicerContext[object, object]
 ) -> object:
-    """Propose `command`; end the call with etcd's status if it fails (before or
-    at apply), else return the response with its header filled."""
+    """Propose `command`; end the call with its status if it fails (before or at
+    apply), else return the apply result."""
     try:
         result = await log.propose(command)
     except EtcdError as e:
         await abort(context, e)
     if isinstance(result, EtcdError):
         await abort(context, result)
+    return result
+
+
+async def propose_or_abort(
+    log: Proposer,
+    command: internal_pb2.Command,
+    context: aio.ServicerContext[object, object],
+    header: HeaderFiller,
+) -> object:
+    """`propose_checked`, and the response's header filled."""
+    result = await propose_checked(log, command, context)
     header.fill(result.header)  # type: ignore[attr-defined]
     return result

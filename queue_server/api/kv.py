@@ -12,7 +12,7 @@ import time
 from grpc import aio
 
 from etcdserverpb import internal_pb2, rpc_pb2, rpc_pb2_grpc
-from queue_server.api.errors import abort, propose_or_abort
+from queue_server.api.errors import abort, propose_checked, propose_or_abort
 from queue_server.api.header import HeaderFiller
 from queue_server.apply import Proposer, StateMachine
 from queue_server.errors import EtcdError
@@ -63,12 +63,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
         settle = self.state.cqs_ack_of(request)
         if settle is not None:  # deleting a CQS delivery key acknowledges it
             settle.cqs_settle.now_ms = int(time.time() * 1000)
-            try:
-                result = await self.log.propose(settle)
-            except EtcdError as e:
-                await abort(context, e)
-            if isinstance(result, EtcdError):
-                await abort(context, result)
+            result = await propose_checked(self.log, settle, context)
             assert isinstance(result, internal_pb2.CqsSettleResponse)
             resp = rpc_pb2.DeleteRangeResponse(deleted=result.settled)
             self.header.fill(resp.header)

@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import random
 import re
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -37,6 +35,7 @@ import pytest
 from etcdserverpb import cqs_pb2, cqs_pb2_grpc
 from tests.compat.test_etcdctl import Ctl
 from tests.compat.test_etcdctl import pytestmark as etcdctl_marks
+from tests.compat.test_etcdctl_watch_lease import Background
 from tests.support.processes import ServerProcess
 
 pytestmark = etcdctl_marks
@@ -106,65 +105,17 @@ def pairs(output: str) -> list[tuple[str, str]]:
     return list(zip(lines[::2], lines[1::2], strict=True))
 
 
-class Watch:
-    """`etcdctl watch KEY` left running: stdout is read by a thread into a queue
-    and taken with a deadline; stderr is kept for failure messages."""
+class Watch(Background):
+    """`etcdctl watch KEY` left running, read as events."""
 
     def __init__(self, ctl: Ctl, key: str) -> None:
+        super().__init__(ctl, "watch", key)
         self.key = key
-        self.proc = subprocess.Popen(
-            ["etcdctl", f"--endpoints={ctl.endpoint}", "watch", key],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "ETCDCTL_API": "3"},
-        )
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._stderr: list[str] = []
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        threading.Thread(target=self._pump, args=(self.proc.stdout,), daemon=True).start()
-        threading.Thread(target=self._stderr.extend, args=(self.proc.stderr,), daemon=True).start()
-
-    def _pump(self, stream: Any) -> None:
-        for line in stream:
-            self._lines.put(line.removesuffix("\n"))
-        self._lines.put(None)
-
-    def read(self, count: int) -> list[str]:
-        deadline = time.monotonic() + LINE_TIMEOUT
-        got: list[str] = []
-        while len(got) < count:
-            try:
-                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                line = None
-            if line is None:
-                pytest.fail(
-                    f"etcdctl watch {self.key} printed {got} and then nothing "
-                    f"(wanted {count} lines); stderr:\n{''.join(self._stderr)}"
-                )
-            got.append(line)
-        return got
 
     def events(self, count: int) -> list[tuple[str, str, dict[str, Any]]]:
         """The next `count` events as (type, key, JSON value)."""
-        lines = self.read(3 * count)
+        lines = self.read(3 * count, LINE_TIMEOUT)
         return [(lines[i], lines[i + 1], json.loads(lines[i + 2])) for i in range(0, len(lines), 3)]
-
-    def kill(self) -> None:
-        """SIGKILL: the consumer vanishes without closing anything itself."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=LINE_TIMEOUT)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            self.proc.wait(timeout=LINE_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            self.kill()
 
 
 @pytest.fixture
