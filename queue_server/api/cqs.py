@@ -216,8 +216,10 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
             first = await stream.next(None)
             if first is _END:
                 await context.abort(grpc.StatusCode.CANCELLED, "cqs: stream ended without a Footer")
-            assert isinstance(first, cqs_pb2.ReEnqueueRequest)
-            if first.WhichOneof("payload") != "header":
+            if (
+                not isinstance(first, cqs_pb2.ReEnqueueRequest)
+                or first.WhichOneof("payload") != "header"
+            ):
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, "cqs: the first message must be a Header"
                 )
@@ -235,22 +237,20 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
     ) -> cqs_pb2.ReEnqueueResponse:
         loop = asyncio.get_running_loop()
         vis_s = self.visibility_ms / 1000
-        extend_every = min(EXTEND_SECONDS, vis_s / 2) if vis_s > 0 else EXTEND_SECONDS
+        extend_every = min(EXTEND_SECONDS, vis_s / 2)
         last_extend = loop.time()
         since_extend = 0
         enqueued = 0
-        batch: list[cqs_pb2.SplitItem] = []
-        flush_at: float | None = None
 
-        async def flush(commit: bool) -> None:
-            nonlocal last_extend, since_extend, enqueued, batch, flush_at
+        async def flush(items: list[cqs_pb2.SplitItem], commit: bool) -> None:
+            nonlocal last_extend, since_extend, enqueued
             command = internal_pb2.Command()
             c = command.cqs_enqueue
             c.queue, c.original = name, token
-            c.items.extend(batch)
+            c.items.extend(items)
             now = now_ms()
             c.now_ms = now
-            since_extend += len(batch)
+            since_extend += len(items)
             if not commit and (
                 since_extend >= EXTEND_ITEMS or loop.time() - last_extend >= extend_every
             ):
@@ -260,41 +260,31 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
             result = await self._propose(command, context)
             assert isinstance(result, internal_pb2.CqsEnqueueResponse)
             enqueued += result.enqueued
-            batch = []
-            flush_at = None
 
         while True:
             wake = last_extend + extend_every
-            if flush_at is not None:
-                wake = min(wake, flush_at)
+            if stream.partial_since is not None:
+                wake = min(wake, stream.partial_since + FLUSH_SECONDS)
             frame = await stream.next(max(0.0, wake - loop.time()))
             if frame is _TIMEOUT:
-                await flush(False)  # due: the buffered items, or an extension alone
-                continue
-            if frame is _END:
-                if batch:
-                    await flush(False)
+                await flush(stream.take_partial(), False)  # due: buffered items, or an extension
+            elif isinstance(frame, list):
+                for i, item in enumerate(frame):
+                    try:
+                        check_split_item(item)
+                    except InvalidNotification as e:
+                        if i:
+                            await flush(frame[:i], False)
+                        await abort(context, e)
+                await flush(frame, False)
+            elif frame is _END:
                 await context.abort(grpc.StatusCode.CANCELLED, "cqs: stream ended without a Footer")
-            assert isinstance(frame, cqs_pb2.ReEnqueueRequest)
-            kind = frame.WhichOneof("payload")
-            if kind == "item":
-                try:
-                    check_split_item(frame.item)
-                except InvalidNotification as e:
-                    if batch:
-                        await flush(False)
-                    await abort(context, e)
-                batch.append(frame.item)
-                if flush_at is None:
-                    flush_at = loop.time() + FLUSH_SECONDS
-                if len(batch) >= FLUSH_ITEMS or since_extend + len(batch) >= EXTEND_ITEMS:
-                    await flush(False)
-            elif kind == "footer":
-                await flush(True)
-                return cqs_pb2.ReEnqueueResponse(acknowledged=True, items_enqueued=enqueued)
             else:
-                if batch:
-                    await flush(False)
+                assert isinstance(frame, cqs_pb2.ReEnqueueRequest)
+                kind = frame.WhichOneof("payload")
+                if kind == "footer":
+                    await flush([], True)
+                    return cqs_pb2.ReEnqueueResponse(acknowledged=True, items_enqueued=enqueued)
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     "cqs: a second Header" if kind == "header" else "cqs: an empty message",
@@ -316,25 +306,49 @@ _TIMEOUT = object()
 
 
 class _Frames:
-    """A client stream read by a task of its own into a small buffer, so the
-    reader can wait for a frame with a timeout without cancelling the read."""
+    """The client stream, read by a task of its own. Items are gathered into
+    batches of FLUSH_ITEMS; full batches and the other frames (each after the
+    items sent before it) wait in a queue of two, so a fast client is held back
+    by HTTP/2 flow control, not buffered. A partial batch can be taken when its
+    flush is due."""
 
     def __init__(self, source: AsyncIterator[cqs_pb2.ReEnqueueRequest]) -> None:
-        self._queue: asyncio.Queue[object] = asyncio.Queue(maxsize=FLUSH_ITEMS)
-        self._task = asyncio.get_running_loop().create_task(self._pump(source))
+        self._ready: asyncio.Queue[object] = asyncio.Queue(maxsize=2)
+        self._partial: list[cqs_pb2.SplitItem] = []
+        self.partial_since: float | None = None
+        loop = asyncio.get_running_loop()
+        self._clock = loop.time
+        self._task = loop.create_task(self._pump(source))
 
     async def _pump(self, source: AsyncIterator[cqs_pb2.ReEnqueueRequest]) -> None:
         try:
             async for frame in source:
-                await self._queue.put(frame)
+                if frame.WhichOneof("payload") == "item":
+                    if not self._partial:
+                        self.partial_since = self._clock()
+                    self._partial.append(frame.item)
+                    if len(self._partial) >= FLUSH_ITEMS:
+                        await self._ready.put(self.take_partial())
+                    continue
+                if self._partial:
+                    await self._ready.put(self.take_partial())
+                await self._ready.put(frame)
         except Exception:  # the client went away: the same as an end without Footer
             pass
-        await self._queue.put(_END)
+        if self._partial:
+            await self._ready.put(self.take_partial())
+        await self._ready.put(_END)
+
+    def take_partial(self) -> list[cqs_pb2.SplitItem]:
+        batch, self._partial = self._partial, []
+        self.partial_since = None
+        return batch
 
     async def next(self, timeout: float | None) -> object:
-        """The next frame, _END at the end of the stream, _TIMEOUT after `timeout` s."""
+        """A list of items, another frame, _END at the end of the stream, or
+        _TIMEOUT after `timeout` seconds."""
         try:
-            return await asyncio.wait_for(self._queue.get(), timeout)
+            return await asyncio.wait_for(self._ready.get(), timeout)
         except TimeoutError:
             return _TIMEOUT
 
