@@ -1,5 +1,5 @@
-"""Placeholder suites, `cqs` and `cluster`: registered so every run's JSON has their
-rows, reporting "not available yet" for both servers until they are written.
+"""The placeholder suite, `cluster`: registered so every run's JSON has its row,
+reporting "not available yet" for both servers until it is written.
 
 To fill one in, give its `Workload` a `run` function (see kv.py for the shape); the
 runner then starts servers for the suite and measures it like any other.
@@ -10,15 +10,6 @@ from __future__ import annotations
 from benchmarks.workloads.base import Workload
 
 NOT_YET = "not available yet"
-
-CQS = [
-    Workload(
-        suite="cqs",
-        name="cqs send/receive/delete",
-        about="Placeholder for the CQS workloads (not available yet).",
-        placeholder_note=NOT_YET,
-    ),
-]
 
 CLUSTER = [
     Workload(

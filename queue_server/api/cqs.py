@@ -266,6 +266,8 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
             if stream.partial_since is not None:
                 wake = min(wake, stream.partial_since + FLUSH_SECONDS)
             frame = await stream.next(max(0.0, wake - loop.time()))
+            if frame is _STARTED:
+                continue
             if frame is _TIMEOUT:
                 await flush(stream.take_partial(), False)  # due: buffered items, or an extension
             elif isinstance(frame, list):
@@ -303,6 +305,7 @@ def _bad_queue_name(name: str) -> str | None:
 
 _END = object()
 _TIMEOUT = object()
+_STARTED = object()  # a partial batch has begun
 
 
 class _Frames:
@@ -326,6 +329,8 @@ class _Frames:
                 if frame.WhichOneof("payload") == "item":
                     if not self._partial:
                         self.partial_since = self._clock()
+                        if self._ready.empty():  # wake the reader: a flush is now due
+                            self._ready.put_nowait(_STARTED)
                     self._partial.append(frame.item)
                     if len(self._partial) >= FLUSH_ITEMS:
                         await self._ready.put(self.take_partial())
@@ -345,8 +350,10 @@ class _Frames:
         return batch
 
     async def next(self, timeout: float | None) -> object:
-        """A list of items, another frame, _END at the end of the stream, or
-        _TIMEOUT after `timeout` seconds."""
+        """A list of items, another frame, _STARTED when a partial batch begins,
+        _END at the end of the stream, or _TIMEOUT after `timeout` seconds."""
+        if not self._ready.empty():  # no timed wait (a task) when a frame is there
+            return self._ready.get_nowait()
         try:
             return await asyncio.wait_for(self._ready.get(), timeout)
         except TimeoutError:

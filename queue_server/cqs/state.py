@@ -25,9 +25,10 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from google.protobuf import json_format
+from google.protobuf import json_format, timestamp_pb2
 from google.protobuf.message import DecodeError
 
 from etcdserverpb import cqs_pb2, internal_pb2
@@ -125,42 +126,95 @@ def parse_publication(dto_type: str | None, value: bytes) -> Published:
     def bad(why: str) -> InvalidNotification:
         return InvalidNotification(f"cqs: invalid change notification: {why}")
 
-    n = cqs_pb2.DtoChangeNotification()
     if value[:1] == b"{":
-        try:
-            raw = json.loads(value)
-        except ValueError as e:
-            raise bad(f"not JSON: {e}") from e
-        if not isinstance(raw, dict):
-            raise bad("expected a JSON object")
-        allowed = {"dto_id", "parent_id", "alias_name", "sla_timestamp", "tracking_id", "dto_type"}
-        unknown = set(raw) - allowed
-        if unknown:
-            raise bad(f"unknown field {sorted(unknown)[0]!r}")
-        try:
-            json_format.ParseDict(raw, n)
-        except json_format.ParseError as e:
-            raise bad(str(e)) from e
-    else:
-        try:
-            n.ParseFromString(value)
-        except DecodeError as e:
-            raise bad("neither JSON nor a DtoChangeNotification") from e
-    if dto_type is None:
-        if not n.dto_type:
-            raise bad("dto_type is required")
-        dto_type = n.dto_type
-    elif n.dto_type and n.dto_type != dto_type:
-        raise bad(f"dto_type {n.dto_type!r} is not the key's {dto_type!r}")
+        return _parse_json_publication(dto_type, value, bad)
+    n = cqs_pb2.DtoChangeNotification()
+    try:
+        n.ParseFromString(value)
+    except DecodeError as e:
+        raise bad("neither JSON nor a DtoChangeNotification") from e
     if n.WhichOneof("urn") == "parent_id":
         raise bad("parent_id is CQS-internal and cannot be published")
-    if not n.dto_id:
-        raise bad("dto_id is required")
     if not n.HasField("sla_timestamp"):
         raise bad("sla_timestamp is required")
-    return Published(
-        dto_type, n.dto_id, False, n.alias_name, _sla_us(n.sla_timestamp), n.tracking_id
+    return _published(
+        dto_type, n.dto_type, n.dto_id, n.alias_name, _sla_us(n.sla_timestamp), n.tracking_id, bad
     )
+
+
+_JSON_FIELDS = frozenset(
+    {"dto_id", "parent_id", "alias_name", "sla_timestamp", "tracking_id", "dto_type"}
+)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MICROSECOND = timedelta(microseconds=1)
+
+
+def _parse_json_publication(
+    dto_type: str | None, value: bytes, bad: Callable[[str], InvalidNotification]
+) -> Published:
+    """The JSON form, read with `json` and `datetime` (protobuf's json_format
+    costs several times more, and publishing is a hot path)."""
+    try:
+        raw = json.loads(value)
+    except ValueError as e:
+        raise bad(f"not JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise bad("expected a JSON object")
+    for name, field_value in raw.items():
+        if name not in _JSON_FIELDS:
+            raise bad(f"unknown field {name!r}")
+        if not isinstance(field_value, str):
+            raise bad(f"{name} must be a string")
+    if "parent_id" in raw:
+        raise bad("parent_id is CQS-internal and cannot be published")
+    sla = raw.get("sla_timestamp")
+    if sla is None:
+        raise bad("sla_timestamp is required")
+    return _published(
+        dto_type,
+        raw.get("dto_type", ""),
+        raw.get("dto_id", ""),
+        raw.get("alias_name", ""),
+        _rfc3339_us(sla, bad),
+        raw.get("tracking_id", ""),
+        bad,
+    )
+
+
+def _rfc3339_us(text: str, bad: Callable[[str], InvalidNotification]) -> int:
+    """Microseconds since the epoch of an RFC 3339 timestamp with an offset."""
+    try:
+        dt = datetime.fromisoformat(text)
+        if dt.tzinfo is None or "T" not in text:
+            raise ValueError("not RFC 3339")
+        return (dt - _EPOCH) // _MICROSECOND
+    except ValueError:
+        ts = timestamp_pb2.Timestamp()
+        try:  # what datetime does not read (nanoseconds) protobuf may
+            ts.FromJsonString(text)
+        except ValueError as e:
+            raise bad(f"sla_timestamp {text!r} is not RFC 3339: {e}") from e
+        return _sla_us(ts)
+
+
+def _published(
+    key_type: str | None,
+    value_type: str,
+    dto_id: str,
+    alias: str,
+    sla_us: int,
+    tracking_id: str,
+    bad: Callable[[str], InvalidNotification],
+) -> Published:
+    if key_type is None:
+        if not value_type:
+            raise bad("dto_type is required")
+        key_type = value_type
+    elif value_type and value_type != key_type:
+        raise bad(f"dto_type {value_type!r} is not the key's {key_type!r}")
+    if not dto_id:
+        raise bad("dto_id is required")
+    return Published(key_type, dto_id, False, alias, sla_us, tracking_id)
 
 
 def check_split_item(item: cqs_pb2.SplitItem) -> None:
@@ -197,6 +251,7 @@ class CqsState:
     published: int = 0  # publications applied
     dropped: int = 0  # publications with no subscriber
     _subscribers: dict[str, list[tuple[CqsQueue, str]]] = field(default_factory=dict)
+    _checked: dict[tuple[str | None, bytes], Published] = field(default_factory=dict)
 
     def _changed(self, name: str) -> None:
         if self.on_change is not None:
@@ -252,8 +307,15 @@ class CqsState:
             qk.name.startswith(DTO_QUEUE_PREFIX) or self.is_cqs(qk.name)
         )
 
+    def begin_checks(self) -> None:
+        """A new request is about to be checked: forget the last one's parses."""
+        self._checked.clear()
+
     def check_publish(self, qk: keys.QueueKey, value: bytes) -> None:
-        parse_publication(self._dto_type_of(qk), value)
+        """Refuse a malformed publication before anything changes; the parse is
+        kept for `publish` in the same request."""
+        dto_type = self._dto_type_of(qk)
+        self._checked[(dto_type, value)] = parse_publication(dto_type, value)
 
     def _dto_type_of(self, qk: keys.QueueKey) -> str | None:
         if qk.name.startswith(DTO_QUEUE_PREFIX):
@@ -263,7 +325,8 @@ class CqsState:
     def publish(self, qk: keys.QueueKey, value: bytes) -> int:
         """Fan a publication out (or enqueue it directly); returns the queues reached."""
         self.published += 1
-        p = parse_publication(self._dto_type_of(qk), value)
+        dto_type = self._dto_type_of(qk)
+        p = self._checked.pop((dto_type, value), None) or parse_publication(dto_type, value)
         if not qk.name.startswith(DTO_QUEUE_PREFIX):
             self._add(self.queues[qk.name.decode(errors="replace")], p)
             return 1

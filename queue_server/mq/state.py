@@ -114,6 +114,7 @@ class QueueState:
     def begin_checks(self) -> None:
         """A new request's puts are about to be checked."""
         self._checked_produces.clear()
+        self.cqs.begin_checks()
 
     def queue(self, name: bytes, spelling: bytes) -> QueueInfo:
         """The queue, created on first use with the spelling it was first used with."""

@@ -117,13 +117,40 @@ def test_unimplemented_features_are_null_not_failures(
         etcd_binary=None,
     )
     rows = Runner(options, Progress()).run()
-    assert len(rows) == 3 + 2 + 5 + 1
+    assert len(rows) == 3 + 2 + 5 + 3
     for row in rows:
         assert isinstance(row.ours, Unavailable), (row.workload, row.ours)
         assert isinstance(row.etcd, Unavailable)
         assert row.failures() == 0
         doc = row.to_json()
         assert doc["ours"] is None and doc["etcd"] is None and doc["ratio_ops"] is None
-        expected = "not available yet" if row.suite == "cqs" else "not implemented"
-        assert f"ours: {expected}" in doc["note"]
-    assert all("etcd: etcd not installed" in r.to_json()["note"] for r in rows[:-1])
+        assert "ours: not implemented" in doc["note"]
+    assert all("etcd: etcd not installed" in r.to_json()["note"] for r in rows)
+
+
+def test_quick_cqs(tmp_path: Path) -> None:
+    """The cqs suite in quick mode: the ReEnqueue stream, the memory row derived from
+    it and dequeue+ack from the queue it filled (etcd's column: the key recipe)."""
+    json_path = tmp_path / "results.json"
+    done = run_harness(
+        ["--quick", "--suite", "cqs", "--json", str(json_path), "--out-dir", str(tmp_path)]
+    )
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-6000:]}"
+    rows = {r["workload"]: r for r in json.loads(json_path.read_text())["rows"]}
+    assert set(rows) == {
+        "cqs ReEnqueue, one stream",
+        "cqs bytes per pending notification",
+        "cqs dequeue+ack, batches of 20",
+    }
+    stream = rows["cqs ReEnqueue, one stream"]["ours"]
+    assert stream["ops"] == 10_000 and stream["errors"] == 0
+    assert stream["rss_mb"] >= stream["extra"]["rss_before_mb"] > 0
+    memory = rows["cqs bytes per pending notification"]["ours"]
+    assert memory["extra"]["queued"] == 10_000
+    assert "bytes_per_notification" in memory["extra"]
+    dequeue = rows["cqs dequeue+ack, batches of 20"]["ours"]
+    assert dequeue["ops_s"] > 0 and dequeue["p99_ms"] > 0 and dequeue["errors"] == 0
+    assert 1 <= dequeue["extra"]["notifications_per_batch"] <= 20
+    if shutil.which("etcd") is not None:
+        for row in rows.values():
+            assert row["etcd"] is not None and row["ratio_ops"] is not None, row
