@@ -48,6 +48,14 @@ class Config:
     grpc_keepalive_timeout: float
     watch_progress_notify_interval: float
     cqs_visibility_timeout: float = 60.0
+    listen_peer_urls: tuple[str, ...] = ("http://localhost:2380",)
+    initial_cluster: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    initial_cluster_state: str = "new"
+
+    @property
+    def clustered(self) -> bool:
+        """More than one member at bootstrap, or joining an existing cluster."""
+        return len(self.initial_cluster) > 1 or self.initial_cluster_state == "existing"
 
     def listen_addresses(self) -> list[str]:
         """host:port pairs to bind, from --listen-client-urls."""
@@ -118,6 +126,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="peer URLs of this member, as reported by member list",
     )
     add("--initial-cluster-token", default="etcd-cluster", help="cluster identity token")
+    add(
+        "--listen-peer-urls",
+        default="http://localhost:2380",
+        help="comma-separated URLs to listen on for traffic from the other members",
+    )
+    add(
+        "--initial-cluster",
+        default="",
+        help="the members at bootstrap, name=peer-url,... (default: this member alone)",
+    )
+    add(
+        "--initial-cluster-state",
+        default="new",
+        choices=("new", "existing"),
+        help="new: bootstrap the cluster; existing: join one (after member add)",
+    )
     add(
         "--max-request-bytes",
         type=int,
@@ -192,6 +216,20 @@ def _env_defaults(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -
             action.default = value
 
 
+def parse_initial_cluster(text: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """`n1=http://a:2380,n2=http://b:2380` as ((name, (url, ...)), ...), in first-seen
+    order; a name given twice has several peer URLs, as in etcd."""
+    members: dict[str, list[str]] = {}
+    for part in _csv(text):
+        name, sep, url = part.partition("=")
+        if not sep or not name or "://" not in url:
+            raise ConfigError(f"--initial-cluster: {part!r} is not name=peer-url")
+        members.setdefault(name, []).append(url)
+    if not members:
+        raise ConfigError("--initial-cluster is empty")
+    return tuple((name, tuple(urls)) for name, urls in members.items())
+
+
 def parse_config(
     argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> Config:
@@ -228,7 +266,18 @@ def parse_config(
             a.experimental_watch_progress_notify_interval
         ),
         cqs_visibility_timeout=parse_duration(a.cqs_visibility_timeout),
+        listen_peer_urls=_csv(a.listen_peer_urls),
+        initial_cluster=parse_initial_cluster(
+            a.initial_cluster
+            or ",".join(f"{a.name}={u}" for u in _csv(a.initial_advertise_peer_urls))
+        ),
+        initial_cluster_state=a.initial_cluster_state,
     )
+    names = [name for name, _ in config.initial_cluster]
+    if config.name not in names:
+        raise ConfigError(
+            f"--initial-cluster has no member named {config.name!r} (--name): {','.join(names)}"
+        )
     if config.cqs_visibility_timeout <= 0:
         raise ConfigError("--cqs-visibility-timeout must be positive")
     config.listen_addresses()  # fail early on a bad URL

@@ -1,0 +1,157 @@
+"""A cluster member's stable storage: raft entries, hard state and snapshots.
+
+Layout in the data dir: `raft/wal/` holds the records, in the checksummed segment
+format of `queue_server/storage/wal.py` (each record numbered by a write
+sequence, not by raft index), and `raft/snap/` holds snapshots of the state
+machine with the raft position they stand for.
+
+A record's payload is one of
+
+    b"E" | u64 raft index | u64 term | u8 kind | data      an entry
+    b"H" | u64 term | u64 vote | u64 commit                 the hard state
+
+Replay reads the records in write order. An entry at raft index i replaces the
+entry at i and drops every later one (that is how a follower's conflicting suffix
+is overwritten: by appending, never by rewriting the file), and the last hard
+state wins. A torn tail (a crash during a write) is cut off by the WAL; what it
+held was never acknowledged, because acknowledgements wait for the fsync.
+
+After a snapshot at index s, the member starts a new segment holding the hard
+state and the entries after s, then deletes the older segments: replay never needs
+them again, and a crash between the two steps only leaves duplicates that replay
+resolves by the replacement rule.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from queue_server.storage.snapshot import SnapshotStore
+from queue_server.storage.wal import WriteAheadLog
+
+_ENTRY = struct.Struct("<QQB")
+_HARD = struct.Struct("<QQQ")
+
+
+@dataclass(slots=True)
+class StoredEntry:
+    index: int
+    term: int
+    kind: int
+    data: bytes
+
+
+@dataclass(slots=True)
+class Loaded:
+    """What a restart finds: the hard state, the newest snapshot (its raft
+    position and the state machine's exported state) and the entries after it."""
+
+    term: int = 0
+    vote: int = 0
+    commit: int = 0
+    snapshot_index: int = 0
+    snapshot_term: int = 0
+    voters: tuple[int, ...] = ()
+    state: Any = None
+    entries: list[StoredEntry] = field(default_factory=list)
+
+
+def encode_entry(e: StoredEntry) -> bytes:
+    return b"E" + _ENTRY.pack(e.index, e.term, e.kind) + e.data
+
+
+def encode_hard_state(term: int, vote: int, commit: int) -> bytes:
+    return b"H" + _HARD.pack(term, vote, commit)
+
+
+class RaftStorage:
+    """The raft WAL and snapshots of one member."""
+
+    def __init__(self, data_dir: str, fsync: bool = True) -> None:
+        self.wal = WriteAheadLog(os.path.join(data_dir, "raft", "wal"), fsync)
+        self.snapshots = SnapshotStore(os.path.join(data_dir, "raft", "snap"), fsync)
+        self._seq = 0
+
+    def load(self) -> Loaded:
+        """Read everything back (and open the WAL for appending)."""
+        out = Loaded()
+        found = self.snapshots.load_latest()
+        if found is not None:
+            _, snap = found
+            out.snapshot_index = snap["index"]
+            out.snapshot_term = snap["term"]
+            out.voters = tuple(snap["voters"])
+            out.state = snap["state"]
+        segments = self.wal.segments()
+        after = segments[0] - 1 if segments else 0
+        entries: list[StoredEntry] = []
+        for _, payload in self.wal.replay(after):
+            if payload[:1] == b"H":
+                out.term, out.vote, out.commit = _HARD.unpack_from(payload, 1)
+                continue
+            index, term, kind = _ENTRY.unpack_from(payload, 1)
+            if index <= out.snapshot_index:
+                continue
+            while entries and entries[-1].index >= index:
+                entries.pop()
+            if entries and entries[-1].index != index - 1:
+                raise RuntimeError(f"raft wal: entry {index} follows {entries[-1].index}")
+            if not entries and index != out.snapshot_index + 1:
+                raise RuntimeError(
+                    f"raft wal: first entry {index} after snapshot {out.snapshot_index}"
+                )
+            entries.append(StoredEntry(index, term, kind, payload[1 + _ENTRY.size :]))
+        out.entries = entries
+        out.commit = max(out.commit, out.snapshot_index)
+        self._seq = self.wal.last_index
+        self.wal.open_for_append()
+        return out
+
+    def encode(self, records: list[bytes]) -> tuple[bytes, int]:
+        """Number and frame records for `write` (cheap: on the event loop)."""
+        data = []
+        for payload in records:
+            self._seq += 1
+            data.append(self.wal.encode(self._seq, payload))
+        return b"".join(data), self._seq
+
+    def write(self, data: bytes, last_seq: int) -> None:
+        """Append and fsync (blocking: run it in the writer thread)."""
+        self.wal.write(data, last_seq)
+
+    def snapshot_job(
+        self,
+        index: int,
+        term: int,
+        voters: tuple[int, ...],
+        state: Any,
+        hard_state: tuple[int, int, int],
+        entries_after: list[StoredEntry],
+    ) -> Callable[[], int]:
+        """A snapshot at raft `index`: the records that restart the WAL are
+        numbered now (on the event loop, in order with every other write); the
+        returned blocking function, run in the writer thread after the writes
+        queued before it, saves the snapshot, starts a new segment with those
+        records and deletes the older segments. It returns the snapshot's size."""
+        records = [encode_hard_state(*hard_state)] + [encode_entry(e) for e in entries_after]
+        data, last = self.encode(records)
+        first = last - len(records) + 1
+
+        def run() -> int:
+            size = self.snapshots.save(
+                index, {"index": index, "term": term, "voters": list(voters), "state": state}
+            )
+            self.wal.last_index = first - 1
+            self.wal.rotate()
+            self.wal.write(data, last)
+            self.wal.remove_covered(first - 1)
+            return size
+
+        return run
+
+    def close(self) -> None:
+        self.wal.close()

@@ -1,0 +1,172 @@
+"""Peer-to-peer traffic of a cluster member, over gRPC on `--listen-peer-urls`.
+
+Two unary methods on the service `queue_server.cluster.Peer`, with raw bytes on
+the wire (no generated code):
+
+- `Deliver`: a batch of raft messages, each already encoded by the raft core
+  (`u32 length | bytes`, repeated). Fire and forget: Raft tolerates lost,
+  duplicated and reordered messages, so a failed send is dropped, never retried.
+- `Forward`: one serialized log command proposed on behalf of a follower; the
+  answer says where it landed in the leader's log (or why not), and the follower
+  then waits for its own state machine to apply that entry.
+
+What belongs here: framing, channels, and one sender per peer that coalesces
+messages queued while an RPC is in flight (so a slow peer costs one RPC at a
+time, and at most MAX_QUEUED messages of memory). Nothing about Raft itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc import aio
+
+log = logging.getLogger(__name__)
+
+SERVICE = "queue_server.cluster.Peer"
+DELIVER = f"/{SERVICE}/Deliver"
+FORWARD = f"/{SERVICE}/Forward"
+MAX_QUEUED = 4096
+"""Raft messages waiting for one peer; older ones are dropped beyond this (a
+peer that far behind is caught up by the leader's probes or a snapshot)."""
+SEND_TIMEOUT = 5.0
+FORWARD_TIMEOUT = 10.0
+_LEN = struct.Struct("<I")
+
+
+def frame(messages: Iterable[bytes]) -> bytes:
+    return b"".join(_LEN.pack(len(m)) + m for m in messages)
+
+
+def unframe(data: bytes) -> list[bytes]:
+    out: list[bytes] = []
+    pos = 0
+    while pos + _LEN.size <= len(data):
+        (n,) = _LEN.unpack_from(data, pos)
+        pos += _LEN.size
+        if pos + n > len(data):
+            raise ValueError("truncated raft message batch")
+        out.append(data[pos : pos + n])
+        pos += n
+    if pos != len(data):
+        raise ValueError("trailing bytes in raft message batch")
+    return out
+
+
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+def peer_handler(
+    deliver: Callable[[list[bytes]], None], forward: Callable[[bytes], Awaitable[bytes]]
+) -> grpc.GenericRpcHandler[bytes, bytes]:
+    """The server side: `deliver(messages)` and `forward(command) -> answer`."""
+
+    async def on_deliver(request: bytes, context: aio.ServicerContext[bytes, bytes]) -> bytes:
+        try:
+            messages = unframe(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        deliver(messages)
+        return b""
+
+    async def on_forward(request: bytes, context: aio.ServicerContext[bytes, bytes]) -> bytes:
+        return await forward(request)
+
+    handlers = {
+        "Deliver": grpc.unary_unary_rpc_method_handler(
+            on_deliver, request_deserializer=_identity, response_serializer=_identity
+        ),
+        "Forward": grpc.unary_unary_rpc_method_handler(
+            on_forward, request_deserializer=_identity, response_serializer=_identity
+        ),
+    }
+    return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+
+def url_to_target(url: str) -> str:
+    """host:port of a peer URL (http://host:port)."""
+    rest = url.split("://", 1)[-1]
+    return rest.rstrip("/")
+
+
+@dataclass(eq=False)
+class _Peer:
+    """One peer: its channel and the messages waiting for it."""
+
+    target: str
+    channel: aio.Channel
+    queue: list[bytes] = field(default_factory=list)
+    sending: bool = False
+    dropped: int = 0
+
+
+class PeerClients:
+    """Channels to the other members, by member id."""
+
+    def __init__(self, spawn: Callable[[Awaitable[None]], object]) -> None:
+        self._spawn = spawn
+        self._peers: dict[int, _Peer] = {}
+
+    def set_peer(self, member_id: int, url: str) -> None:
+        target = url_to_target(url)
+        old = self._peers.get(member_id)
+        if old is not None and old.target == target:
+            return
+        if old is not None:
+            self._spawn(old.channel.close(None))
+        self._peers[member_id] = _Peer(target, aio.insecure_channel(target))
+
+    def remove_peer(self, member_id: int) -> None:
+        old = self._peers.pop(member_id, None)
+        if old is not None:
+            self._spawn(old.channel.close(None))
+
+    def send(self, member_id: int, message: bytes) -> None:
+        """Queue a raft message for a peer; it goes out with the next batch."""
+        peer = self._peers.get(member_id)
+        if peer is None:
+            return
+        peer.queue.append(message)
+        if len(peer.queue) > MAX_QUEUED:
+            drop = len(peer.queue) - MAX_QUEUED
+            del peer.queue[:drop]
+            peer.dropped += drop
+        if not peer.sending:
+            peer.sending = True
+            self._spawn(self._drain(peer))
+
+    async def _drain(self, peer: _Peer) -> None:
+        call = peer.channel.unary_unary(
+            DELIVER, request_serializer=_identity, response_deserializer=_identity
+        )
+        try:
+            while peer.queue:
+                batch, peer.queue = peer.queue, []
+                try:
+                    await call(frame(batch), timeout=SEND_TIMEOUT)
+                except (TimeoutError, grpc.RpcError) as e:
+                    log.debug("raft send failed target=%s error=%s", peer.target, e)
+                    peer.dropped += len(batch)
+        finally:
+            peer.sending = False
+
+    async def forward(self, member_id: int, command: bytes) -> bytes:
+        """Ask a peer (the leader) to propose `command`; raises grpc.RpcError."""
+        peer = self._peers.get(member_id)
+        if peer is None:
+            raise KeyError(member_id)
+        call = peer.channel.unary_unary(
+            FORWARD, request_serializer=_identity, response_deserializer=_identity
+        )
+        result: bytes = await call(command, timeout=FORWARD_TIMEOUT)
+        return result
+
+    async def close(self) -> None:
+        for peer in self._peers.values():
+            await peer.channel.close(None)
+        self._peers.clear()
