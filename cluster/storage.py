@@ -123,31 +123,36 @@ class RaftStorage:
         """Append and fsync (blocking: run it in the writer thread)."""
         self.wal.write(data, last_seq)
 
-    def snapshot_job(
+    def raw_snapshot(self) -> bytes:
+        """The newest snapshot file's bytes (what a lagging follower is sent)."""
+        indexes = self.snapshots.indexes()
+        if not indexes:
+            return b""
+        with open(self.snapshots._path(indexes[-1]), "rb") as f:
+            return f.read()
+
+    def snapshot_job_encoded(
         self,
         index: int,
-        term: int,
-        voters: tuple[int, ...],
-        state: Any,
+        data: bytes,
         hard_state: tuple[int, int, int],
         entries_after: list[StoredEntry],
     ) -> Callable[[], int]:
-        """A snapshot at raft `index`: the records that restart the WAL are
-        numbered now (on the event loop, in order with every other write); the
+        """A snapshot at raft `index`, already encoded (`snapshot.encode(index,
+        {"index", "term", "voters", "state"})`). The records that restart the WAL
+        are numbered now (on the event loop, in order with every other write); the
         returned blocking function, run in the writer thread after the writes
         queued before it, saves the snapshot, starts a new segment with those
         records and deletes the older segments. It returns the snapshot's size."""
         records = [encode_hard_state(*hard_state)] + [encode_entry(e) for e in entries_after]
-        data, last = self.encode(records)
+        wal_data, last = self.encode(records)
         first = last - len(records) + 1
 
         def run() -> int:
-            size = self.snapshots.save(
-                index, {"index": index, "term": term, "voters": list(voters), "state": state}
-            )
+            size = self.snapshots.save_encoded(index, data)
             self.wal.last_index = first - 1
             self.wal.rotate()
-            self.wal.write(data, last)
+            self.wal.write(wal_data, last)
             self.wal.remove_covered(first - 1)
             return size
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc import aio
@@ -34,6 +35,15 @@ MAX_QUEUED = 4096
 """Raft messages waiting for one peer; older ones are dropped beyond this (a
 peer that far behind is caught up by the leader's probes or a snapshot)."""
 SEND_TIMEOUT = 5.0
+CHANNEL_OPTIONS = [
+    # A peer that was down must be reached again within about a second of its
+    # return: gRPC's default reconnect backoff grows to 120 s.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_send_message_length", 2**31 - 1),
+    ("grpc.max_receive_message_length", 2**31 - 1),
+]
 FORWARD_TIMEOUT = 10.0
 _LEN = struct.Struct("<I")
 
@@ -108,7 +118,7 @@ class _Peer:
 class PeerClients:
     """Channels to the other members, by member id."""
 
-    def __init__(self, spawn: Callable[[Awaitable[None]], object]) -> None:
+    def __init__(self, spawn: Callable[[Coroutine[Any, Any, None]], object]) -> None:
         self._spawn = spawn
         self._peers: dict[int, _Peer] = {}
 
@@ -119,7 +129,9 @@ class PeerClients:
             return
         if old is not None:
             self._spawn(old.channel.close(None))
-        self._peers[member_id] = _Peer(target, aio.insecure_channel(target))
+        self._peers[member_id] = _Peer(
+            target, aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        )
 
     def remove_peer(self, member_id: int) -> None:
         old = self._peers.pop(member_id, None)

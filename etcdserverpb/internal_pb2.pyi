@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Command(_message.Message):
-    __slots__ = ("put", "delete_range", "txn", "compaction", "lease_grant", "lease_revoke", "alarm", "queue_requeue", "cqs_dequeue", "cqs_settle", "cqs_enqueue")
+    __slots__ = ("put", "delete_range", "txn", "compaction", "lease_grant", "lease_revoke", "alarm", "queue_requeue", "cqs_dequeue", "cqs_settle", "cqs_enqueue", "member_attributes")
     PUT_FIELD_NUMBER: _ClassVar[int]
     DELETE_RANGE_FIELD_NUMBER: _ClassVar[int]
     TXN_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class Command(_message.Message):
     CQS_DEQUEUE_FIELD_NUMBER: _ClassVar[int]
     CQS_SETTLE_FIELD_NUMBER: _ClassVar[int]
     CQS_ENQUEUE_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
     put: _rpc_pb2.PutRequest
     delete_range: _rpc_pb2.DeleteRangeRequest
     txn: _rpc_pb2.TxnRequest
@@ -32,7 +33,8 @@ class Command(_message.Message):
     cqs_dequeue: CqsDequeue
     cqs_settle: CqsSettle
     cqs_enqueue: CqsEnqueue
-    def __init__(self, put: _Optional[_Union[_rpc_pb2.PutRequest, _Mapping]] = ..., delete_range: _Optional[_Union[_rpc_pb2.DeleteRangeRequest, _Mapping]] = ..., txn: _Optional[_Union[_rpc_pb2.TxnRequest, _Mapping]] = ..., compaction: _Optional[_Union[_rpc_pb2.CompactionRequest, _Mapping]] = ..., lease_grant: _Optional[_Union[_rpc_pb2.LeaseGrantRequest, _Mapping]] = ..., lease_revoke: _Optional[_Union[_rpc_pb2.LeaseRevokeRequest, _Mapping]] = ..., alarm: _Optional[_Union[_rpc_pb2.AlarmRequest, _Mapping]] = ..., queue_requeue: _Optional[_Union[QueueRequeue, _Mapping]] = ..., cqs_dequeue: _Optional[_Union[CqsDequeue, _Mapping]] = ..., cqs_settle: _Optional[_Union[CqsSettle, _Mapping]] = ..., cqs_enqueue: _Optional[_Union[CqsEnqueue, _Mapping]] = ...) -> None: ...
+    member_attributes: MemberAttributes
+    def __init__(self, put: _Optional[_Union[_rpc_pb2.PutRequest, _Mapping]] = ..., delete_range: _Optional[_Union[_rpc_pb2.DeleteRangeRequest, _Mapping]] = ..., txn: _Optional[_Union[_rpc_pb2.TxnRequest, _Mapping]] = ..., compaction: _Optional[_Union[_rpc_pb2.CompactionRequest, _Mapping]] = ..., lease_grant: _Optional[_Union[_rpc_pb2.LeaseGrantRequest, _Mapping]] = ..., lease_revoke: _Optional[_Union[_rpc_pb2.LeaseRevokeRequest, _Mapping]] = ..., alarm: _Optional[_Union[_rpc_pb2.AlarmRequest, _Mapping]] = ..., queue_requeue: _Optional[_Union[QueueRequeue, _Mapping]] = ..., cqs_dequeue: _Optional[_Union[CqsDequeue, _Mapping]] = ..., cqs_settle: _Optional[_Union[CqsSettle, _Mapping]] = ..., cqs_enqueue: _Optional[_Union[CqsEnqueue, _Mapping]] = ..., member_attributes: _Optional[_Union[MemberAttributes, _Mapping]] = ...) -> None: ...
 
 class QueueRequeue(_message.Message):
     __slots__ = ("queue", "idx")
@@ -111,3 +113,15 @@ class CqsEnqueueResponse(_message.Message):
     ENQUEUED_FIELD_NUMBER: _ClassVar[int]
     enqueued: int
     def __init__(self, enqueued: _Optional[int] = ...) -> None: ...
+
+class MemberAttributes(_message.Message):
+    __slots__ = ("id", "name", "peer_urls", "client_urls")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PEER_URLS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_URLS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    name: str
+    peer_urls: _containers.RepeatedScalarFieldContainer[str]
+    client_urls: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., peer_urls: _Optional[_Iterable[str]] = ..., client_urls: _Optional[_Iterable[str]] = ...) -> None: ...

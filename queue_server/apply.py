@@ -45,6 +45,11 @@ class Proposer(Protocol):
         """Index of the newest entry appended to the log."""
         ...
 
+    async def linearize(self) -> None:
+        """Return once the local state reflects every write committed before the
+        call (a no-op on a single node; a ReadIndex round in a cluster)."""
+        ...
+
 
 STATE_FORMAT = 1
 """Version of `export_state`'s layout; bump when it changes."""
@@ -61,6 +66,8 @@ class StateMachine:
         self.lessor = Lessor()
         self.alarms = AlarmTable()
         self.cqs = CqsState()
+        # member id -> (name, peer URLs, client URLs), as members published them
+        self.members: dict[int, tuple[str, tuple[str, ...], tuple[str, ...]]] = {}
         self.queues = QueueState(self.cqs)
         self.commit_listener: Callable[[int, list[Event]], None] | None = None
         self._use_store(MVCCStore())
@@ -124,6 +131,10 @@ class StateMachine:
                 return self.cqs.settle(command.cqs_settle)
             if kind == "cqs_enqueue":
                 return self.cqs.enqueue(command.cqs_enqueue)
+            if kind == "member_attributes":
+                m = command.member_attributes
+                self.members[m.id] = (m.name, tuple(m.peer_urls), tuple(m.client_urls))
+                return m
             if kind == "alarm":
                 resp = self.alarms.apply(command.alarm)
                 resp.header.revision = self.store.revision
@@ -177,6 +188,7 @@ class StateMachine:
             "alarms": self.alarms.export_state(),
             "queues": self.queues.export_state(),
             "cqs": self.cqs.export_state(),
+            "members": dict(self.members),
         }
 
     def restore_state(self, state: dict[str, Any]) -> None:
@@ -187,6 +199,7 @@ class StateMachine:
         self.alarms.restore_state(state["alarms"])
         self.queues.restore_state(state["queues"], self.store)
         self.cqs.restore_state(state.get("cqs", []))
+        self.members = dict(state.get("members", {}))
         self.applied_index = state["applied_index"]
 
 

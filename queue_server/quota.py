@@ -59,6 +59,9 @@ class QuotaGuard:
     def last_index(self) -> int:
         return self.log.last_index
 
+    async def linearize(self) -> None:
+        await self.log.linearize()
+
     def used_bytes(self) -> int:
         return self.state.store.size_bytes + LEASE_OVERHEAD * len(self.state.lessor.leases)
 

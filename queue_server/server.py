@@ -22,6 +22,9 @@ from typing import Any
 
 from grpc import aio
 
+from cluster.membership import MemberInfo, Membership, member_id_for
+from cluster.node import ClusterLog
+from cluster.transport import PeerClients, peer_handler
 from etcdserverpb import (
     cqs_pb2_grpc,
     internal_pb2,
@@ -35,12 +38,12 @@ from queue_server.api.header import HeaderFiller
 from queue_server.api.kv import KVService
 from queue_server.api.lease import LeaseService
 from queue_server.api.lock import LockService
-from queue_server.api.maintenance import ClusterService, MaintenanceService, MemberInfo
+from queue_server.api.maintenance import ClusterService, MaintenanceService
 from queue_server.api.registry import GenericHandlersOnly
 from queue_server.api.watch import WatchService, run_progress_notifier
 from queue_server.apply import StateMachine
 from queue_server.compactor import CompactionPlanner, parse_retention, run_compactor
-from queue_server.config import GRPC_OVERHEAD_BYTES, Config
+from queue_server.config import GRPC_OVERHEAD_BYTES, Config, url_to_address
 from queue_server.cqs.watch_view import CqsWatchConsumers
 from queue_server.errors import EtcdError, LeaseNotFound
 from queue_server.lease.expiry import ExpiryClock
@@ -65,13 +68,6 @@ class StartupError(RuntimeError):
     """The server cannot start (port busy, data dir unusable); the message says why."""
 
 
-def member_id_for(peer_urls: tuple[str, ...], cluster_token: str) -> int:
-    """A member id derived the way etcd derives one: from its peer URLs and the
-    cluster token, so it is stable across restarts."""
-    digest = hashlib.sha1(("".join(sorted(peer_urls)) + cluster_token).encode()).digest()
-    return int.from_bytes(digest[:8], "big")
-
-
 def cluster_id_for(member_ids: list[int]) -> int:
     digest = hashlib.sha1(b"".join(m.to_bytes(8, "big") for m in sorted(member_ids))).digest()
     return int.from_bytes(digest[:8], "big")
@@ -92,7 +88,11 @@ class Server:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.state = StateMachine()
-        self.log: LocalLog | None = None
+        self.log: LocalLog | ClusterLog | None = None
+        self.header: HeaderFiller | None = None
+        self.peers: PeerClients | None = None
+        self.peer_server: aio.Server | None = None
+        self._published = False
         self.grpc_server: aio.Server | None = None
         self.bound_ports: list[int] = []
         self._lock_fd = -1
@@ -146,33 +146,57 @@ class Server:
     async def start(self) -> None:
         cfg = self.config
         term = self._take_data_dir()
-        self.log = LocalLog(
-            cfg.data_dir,
-            self.state,
-            fsync=not cfg.unsafe_no_fsync,
-            snapshot_count=cfg.snapshot_count,
-            max_request_bytes=cfg.max_request_bytes,
-        )
+        member_id = member_id_for(cfg.initial_advertise_peer_urls, cfg.initial_cluster_token)
+        cluster_members = [member_id]
+        if cfg.clustered:
+            member_id, cluster_members = await self._open_cluster_log()
+        else:
+            self.log = LocalLog(
+                cfg.data_dir,
+                self.state,
+                fsync=not cfg.unsafe_no_fsync,
+                snapshot_count=cfg.snapshot_count,
+                max_request_bytes=cfg.max_request_bytes,
+            )
+        assert self.log is not None
         try:
             self.log.recover()
         except OSError as e:
             raise StartupError(f"cannot read data dir {cfg.data_dir!r}: {e}") from e
         # Every lease gets a full TTL from now, as after an etcd leader election.
         lessor = self.state.lessor
-        for lease in lessor.leases.values():
-            self.expiry.granted(lease.lease_id, lease.ttl)
+        self._rearm_leases()
         lessor.on_grant = self.expiry.granted
         lessor.on_revoke = self.expiry.revoked
 
-        member_id = member_id_for(cfg.initial_advertise_peer_urls, cfg.initial_cluster_token)
+        if isinstance(self.log, ClusterLog):
+            term = self.log.term  # the Raft term, not the restart count
         header = HeaderFiller(
-            cluster_id=cluster_id_for([member_id]),
+            cluster_id=cluster_id_for(cluster_members),
             member_id=member_id,
             raft_term=term,
             current_revision=lambda: self.state.store.revision,
         )
-        member = MemberInfo(
+        self.header = header
+        me = MemberInfo(
             member_id, cfg.name, cfg.initial_advertise_peer_urls, cfg.advertise_client_urls
+        )
+        founders = (
+            {
+                member_id_for(urls, cfg.initial_cluster_token): urls
+                for _, urls in cfg.initial_cluster
+            }
+            if cfg.clustered
+            else {}
+        )
+        membership = Membership(
+            self.state,
+            me,
+            cfg.initial_cluster_token,
+            founders,
+            self.log if isinstance(self.log, ClusterLog) else None,
+            self.peers,
+            self._removed,
         )
         server = aio.server(options=self._grpc_options())
         writes = QuotaGuard(self.log, self.state, cfg.quota_backend_bytes, member_id)
@@ -188,10 +212,11 @@ class Server:
                 header,
                 lambda: _dir_size(cfg.data_dir),
                 self.log.snapshot_now,
+                membership.leader_id,
             ),
             services,
         )
-        rpc_pb2_grpc.add_ClusterServicer_to_server(ClusterService(member, header), services)
+        rpc_pb2_grpc.add_ClusterServicer_to_server(ClusterService(membership, header), services)
         self.watch_hub = WatchHub(lambda: self.state.store, cfg.max_request_bytes)
         lessor = self.state.lessor
         self.dispatcher = Dispatcher(
@@ -251,6 +276,9 @@ class Server:
             self.bound_ports.append(port)
         await server.start()
         self.grpc_server = server
+        if isinstance(self.log, ClusterLog):
+            self.expiry.forward_keep_alive = self._forward_keep_alive
+            await self.log.start()
         # What recovery loaded lives as long as the process: keep the collector
         # from scanning it again and again.
         gc.freeze()
@@ -271,6 +299,119 @@ class Server:
             self.state.store.revision,
             term,
         )
+
+    def _removed(self) -> None:
+        """This member was removed from the cluster: stop serving, as etcd does."""
+        log.warning("this member was removed from the cluster; stopping")
+        if self.grpc_server is not None:
+            self._spawn(self._stop_serving())
+
+    async def _stop_serving(self) -> None:
+        await asyncio.sleep(1.0)  # let the MemberRemove answer go out first
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(SHUTDOWN_GRACE_SECONDS)
+
+    def _rearm_leases(self) -> None:
+        """Every lease gets a full TTL from now (at start, and when this member
+        becomes the leader, as etcd's lessor promotion does)."""
+        for lease in self.state.lessor.leases.values():
+            self.expiry.granted(lease.lease_id, lease.ttl)
+
+    async def _open_cluster_log(self) -> tuple[int, list[int]]:
+        """The Raft log of a member of --initial-cluster, and the peer listener.
+        Returns this member's id and the founding members' ids."""
+        cfg = self.config
+        ids = {
+            name: member_id_for(urls, cfg.initial_cluster_token)
+            for name, urls in cfg.initial_cluster
+        }
+        me = ids[cfg.name]
+        peers = PeerClients(self._spawn)
+        for name, urls in cfg.initial_cluster:
+            if ids[name] != me:
+                peers.set_peer(ids[name], urls[0])
+        cluster_log = ClusterLog(
+            cfg.data_dir,
+            self.state,
+            me,
+            sorted(ids.values()),
+            peers,
+            fsync=not cfg.unsafe_no_fsync,
+            snapshot_count=cfg.snapshot_count,
+            max_request_bytes=cfg.max_request_bytes,
+            join=cfg.initial_cluster_state == "existing",
+        )
+        self.log = cluster_log
+        self.peers = peers
+        peer_server = aio.server(options=self._grpc_options())
+        peer_server.add_generic_rpc_handlers((peer_handler(cluster_log.deliver, self._forwarded),))
+        for url in cfg.listen_peer_urls:
+            address = url_to_address(url)
+            try:
+                port = peer_server.add_insecure_port(address)
+            except RuntimeError as e:
+                raise StartupError(f"cannot listen on {address}: address in use") from e
+            if port == 0:
+                raise StartupError(f"cannot listen on {address}: address in use or unavailable")
+        await peer_server.start()
+        self.peer_server = peer_server
+        cluster_log.on_leader_change = self._leader_changed
+        return me, sorted(ids.values())
+
+    async def _forwarded(self, request: bytes) -> bytes:
+        """A peer's request to the leader: a proposal (P), or a lease keepalive (K)."""
+        assert isinstance(self.log, ClusterLog)
+        if request[:1] == b"K" and len(request) == 9:
+            if not self.log.is_leader:
+                return b"N"
+            ttl = self.expiry.keep_alive(int.from_bytes(request[1:], "big", signed=True))
+            return b"T" + ttl.to_bytes(8, "big", signed=True)
+        return await self.log.forwarded(request)
+
+    def _leader_changed(self, leader: int) -> None:
+        assert isinstance(self.log, ClusterLog)
+        if self.header is not None:
+            self.header.raft_term = self.log.term
+        if leader == self.log.member_id:
+            self._rearm_leases()
+        if leader:
+            self._spawn(self._publish_attributes())
+
+    async def _publish_attributes(self) -> None:
+        """Tell the cluster this member's name and URLs (once per start)."""
+        if self._published or self.header is None:
+            return
+        self._published = True
+        cfg = self.config
+        command = internal_pb2.Command()
+        m = command.member_attributes
+        m.id = self.header.member_id
+        m.name = cfg.name
+        m.peer_urls.extend(cfg.initial_advertise_peer_urls)
+        m.client_urls.extend(cfg.advertise_client_urls)
+        assert self.log is not None
+        try:
+            await self.log.propose(command)
+        except EtcdError as e:
+            self._published = False
+            log.warning("publishing member attributes failed: %s", e)
+
+    def _forward_keep_alive(self, lease_id: int) -> None:
+        """A keepalive on a follower also refreshes the leader's clock."""
+        cluster_log = self.log
+        if not isinstance(cluster_log, ClusterLog) or cluster_log.is_leader:
+            return
+        leader = cluster_log.leader_id
+        if leader and self.peers is not None:
+            request = b"K" + lease_id.to_bytes(8, "big", signed=True)
+            self._spawn(self._forward_quietly(leader, request))
+
+    async def _forward_quietly(self, leader: int, request: bytes) -> None:
+        assert self.peers is not None
+        try:
+            await self.peers.forward(leader, request)
+        except Exception as e:  # the client keeps alive again soon; the leader re-arms on change
+            log.debug("keepalive forward failed: %s", e)
 
     def _grpc_options(self) -> list[tuple[str, Any]]:
         cfg = self.config
@@ -305,6 +446,8 @@ class Server:
 
         async def compact(revision: int) -> None:
             assert self.log is not None
+            if isinstance(self.log, ClusterLog) and not self.log.is_leader:
+                return  # the leader compacts for everyone
             command = internal_pb2.Command()
             command.compaction.revision = revision
             result = await self.log.propose(command)
@@ -328,6 +471,8 @@ class Server:
 
     async def _revoke_expired(self, lease_id: int) -> None:
         assert self.log is not None
+        if isinstance(self.log, ClusterLog) and not self.log.is_leader:
+            return  # the leader's clock decides; this one is re-armed if it leads
         command = internal_pb2.Command()
         command.lease_revoke.ID = lease_id
         result = await self.log.propose(command)
@@ -345,6 +490,10 @@ class Server:
             await self.grpc_server.stop(grace)
         if self.log is not None:
             await self.log.close()
+        if self.peer_server is not None:
+            await self.peer_server.stop(0)
+        if self.peers is not None:
+            await self.peers.close()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1

@@ -40,6 +40,8 @@ class KVService(rpc_pb2_grpc.KVServicer):
     async def Range(self, request: rpc_pb2.RangeRequest, context: Context) -> rpc_pb2.RangeResponse:
         try:
             validation.check_range(request)
+            if not request.serializable:
+                await self.log.linearize()
             resp = self.state.read_range(request)
         except EtcdError as e:
             await abort(context, e)
@@ -74,6 +76,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
         try:
             validation.check_txn(request, self.max_txn_ops)
             if is_read_only(request):
+                await self.log.linearize()
                 resp = self.state.read_txn(request)
                 self.header.fill(resp.header)
                 return resp

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from typing import TypeVar
 
 from grpc import aio
 
+from cluster.membership import Membership
 from etcdserverpb import internal_pb2, rpc_pb2, rpc_pb2_grpc
 from queue_server.api.errors import abort
 from queue_server.api.header import HeaderFiller
@@ -23,19 +24,16 @@ from queue_server.errors import EtcdError
 from queue_server.storage import snapshot
 
 Context = aio.ServicerContext[object, object]
+_MembersResponse = TypeVar(
+    "_MembersResponse",
+    rpc_pb2.MemberListResponse,
+    rpc_pb2.MemberAddResponse,
+    rpc_pb2.MemberRemoveResponse,
+    rpc_pb2.MemberUpdateResponse,
+)
 
 SERVER_VERSION = "3.5.17"
 """The etcd release whose API we match; clients gate features on it."""
-
-
-@dataclass(frozen=True, slots=True)
-class MemberInfo:
-    """How this member describes itself to clients."""
-
-    member_id: int
-    name: str
-    peer_urls: tuple[str, ...]
-    client_urls: tuple[str, ...]
 
 
 SNAPSHOT_CHUNK_BYTES = 64 * 1024
@@ -53,12 +51,14 @@ class MaintenanceService(rpc_pb2_grpc.MaintenanceServicer):
         header: HeaderFiller,
         db_size: Callable[[], int],
         compact_log: Callable[[], Awaitable[None]],
+        leader_of: Callable[[], int] | None = None,
     ) -> None:
         self.state = state
         self.log = log
         self.header = header
         self.db_size = db_size
         self.compact_log = compact_log
+        self.leader_of = leader_of
 
     async def Status(
         self, request: rpc_pb2.StatusRequest, context: Context
@@ -67,7 +67,7 @@ class MaintenanceService(rpc_pb2_grpc.MaintenanceServicer):
             version=SERVER_VERSION,
             dbSize=self.db_size(),
             dbSizeInUse=self.state.store.size_bytes,
-            leader=self.header.member_id,
+            leader=self.leader_of() if self.leader_of is not None else self.header.member_id,
             raftIndex=self.log.last_index,
             raftTerm=self.header.raft_term,
             raftAppliedIndex=self.state.applied_index,
@@ -140,19 +140,52 @@ class MaintenanceService(rpc_pb2_grpc.MaintenanceServicer):
 
 
 class ClusterService(rpc_pb2_grpc.ClusterServicer):
-    """Membership of a one-member cluster (the cluster issue adds the rest)."""
+    """Membership: list, add, remove, update (`cluster/membership.py`)."""
 
-    def __init__(self, member: MemberInfo, header: HeaderFiller) -> None:
-        self.member = member
+    def __init__(self, membership: Membership, header: HeaderFiller) -> None:
+        self.membership = membership
         self.header = header
+
+    def _answer(self, resp: _MembersResponse) -> _MembersResponse:
+        """Every member in the response, and the header."""
+        for m in self.membership.members():
+            resp.members.add(
+                ID=m.member_id, name=m.name, peerURLs=m.peer_urls, clientURLs=m.client_urls
+            )
+        self.header.fill(resp.header)
+        return resp
 
     async def MemberList(
         self, request: rpc_pb2.MemberListRequest, context: Context
     ) -> rpc_pb2.MemberListResponse:
-        m = self.member
-        resp = rpc_pb2.MemberListResponse()
-        resp.members.add(
-            ID=m.member_id, name=m.name, peerURLs=m.peer_urls, clientURLs=m.client_urls
-        )
-        self.header.fill(resp.header)
-        return resp
+        return self._answer(rpc_pb2.MemberListResponse())
+
+    async def MemberAdd(
+        self, request: rpc_pb2.MemberAddRequest, context: Context
+    ) -> rpc_pb2.MemberAddResponse:
+        try:
+            added = await self.membership.add(tuple(request.peerURLs), request.isLearner)
+        except EtcdError as e:
+            await abort(context, e)
+        resp = rpc_pb2.MemberAddResponse()
+        resp.member.ID = added.member_id
+        resp.member.peerURLs.extend(added.peer_urls)
+        return self._answer(resp)
+
+    async def MemberRemove(
+        self, request: rpc_pb2.MemberRemoveRequest, context: Context
+    ) -> rpc_pb2.MemberRemoveResponse:
+        try:
+            await self.membership.remove(request.ID)
+        except EtcdError as e:
+            await abort(context, e)
+        return self._answer(rpc_pb2.MemberRemoveResponse())
+
+    async def MemberUpdate(
+        self, request: rpc_pb2.MemberUpdateRequest, context: Context
+    ) -> rpc_pb2.MemberUpdateResponse:
+        try:
+            await self.membership.update(request.ID, tuple(request.peerURLs))
+        except EtcdError as e:
+            await abort(context, e)
+        return self._answer(rpc_pb2.MemberUpdateResponse())

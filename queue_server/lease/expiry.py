@@ -35,6 +35,8 @@ class ExpiryClock:
         self._ttl: dict[int, int] = {}
         self._heap: list[tuple[float, int]] = []
         self._changed: asyncio.Event | None = None
+        # in a cluster, a keepalive on a follower is also sent to the leader
+        self.forward_keep_alive: Callable[[int], None] | None = None
 
     def _push(self, lease_id: int, deadline: float) -> None:
         first = not self._heap or deadline < self._heap[0][0]
@@ -56,6 +58,8 @@ class ExpiryClock:
         ttl = self._ttl.get(lease_id)
         if ttl is None:
             return 0
+        if self.forward_keep_alive is not None:
+            self.forward_keep_alive(lease_id)
         self._push(lease_id, self.clock() + ttl)
         return ttl
 

@@ -128,6 +128,9 @@ class LocalLog:
 
     # -- proposing ------------------------------------------------------------
 
+    async def linearize(self) -> None:
+        """Every acknowledged write is applied here already: nothing to wait for."""
+
     async def propose(self, command: internal_pb2.Command) -> ApplyResult:
         """Append `command`; returns its result once durable and applied.
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from cluster.storage import RaftStorage, StoredEntry, encode_entry, encode_hard_state
+from queue_server.storage import snapshot
 
 pytestmark = pytest.mark.unit
 
@@ -47,14 +48,18 @@ def test_snapshot_keeps_later_entries_and_drops_old_segments(tmp_path: Path) -> 
     s = RaftStorage(str(tmp_path))
     s.load()
     write(s, [encode_entry(e) for e in entries(*[(i, 1) for i in range(1, 11)])])
-    job = s.snapshot_job(8, 1, (1, 2, 3), {"kv": "state"}, (1, 1, 9), entries((9, 1), (10, 1)))
+    payload = {"index": 8, "term": 1, "voters": [1, 2, 3], "state": {"kv": "state"}}
+    data = snapshot.encode(8, payload)
+    job = s.snapshot_job_encoded(8, data, (1, 1, 9), entries((9, 1), (10, 1)))
     write_after = [encode_entry(e) for e in entries((11, 2))]
     assert job() > 0
     write(s, write_after)
     s.close()
     wal_dir = tmp_path / "raft" / "wal"
     assert len(os.listdir(wal_dir)) == 1  # the segment before the snapshot is gone
-    got = RaftStorage(str(tmp_path)).load()
+    reopened = RaftStorage(str(tmp_path))
+    got = reopened.load()
+    assert reopened.raw_snapshot() == data
     assert (got.snapshot_index, got.snapshot_term, got.voters) == (8, 1, (1, 2, 3))
     assert got.state == {"kv": "state"}
     assert (got.term, got.vote, got.commit) == (1, 1, 9)

@@ -127,6 +127,7 @@ def test_internal_command_oneof() -> None:
         "cqs_dequeue": 9,
         "cqs_settle": 10,
         "cqs_enqueue": 11,
+        "member_attributes": 12,
     }
 
 

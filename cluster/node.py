@@ -1,0 +1,551 @@
+"""The Raft driver of a cluster member: `ClusterLog`, the `Proposer` of a member
+that is one of several.
+
+It owns the member's `RaftCore` (`cluster/raft/core.py`), its stable storage
+(`cluster/storage.py`) and its peer channels (`cluster/transport.py`), and feeds
+the same `StateMachine` the single-node `LocalLog` feeds. Services call
+`propose(command)` and `linearize()` exactly as they do on one node.
+
+Theory of operation
+-------------------
+One event loop does everything but disk writes. A timer ticks the core every
+TICK_SECONDS; messages from peers are stepped into it as they arrive; proposals
+go into it on the leader. After each of these the Ready cycle runs (one at a
+time): persist the Ready's entries and hard state (one fsync in the writer thread
+when the core says it must), then send its messages, then apply its committed
+entries to the state machine, then hand out read states, then `advance`. Entries
+that arrive while a write is in flight wait in the core and go into the next
+Ready, so concurrent proposals share fsyncs (group commit, as in `LocalLog`).
+
+Proposals: on the leader, `propose` appends to the core and waits for the entry
+at that index to be applied; if the entry applied there has another term, a new
+leader overwrote it and the proposal fails with a retryable error. On a follower
+the command is sent to the leader (`Forward`), which answers with the index and
+term it got; the follower then waits for its own state machine to apply that
+entry, so a client reads its own write on the member it talks to. Applied
+results are kept for a short while, for an answer that arrives after the apply.
+
+Reads: `linearize()` asks the core for a read index (on a follower the core asks
+the leader) and waits until the state machine has applied it, as etcd's
+linearizable reads do; serializable reads skip it.
+
+Snapshots: every `snapshot_count` applied entries the state machine is exported;
+the core compacts its log, and the storage saves the snapshot and restarts its
+WAL (in the writer thread, after the writes queued before it). The snapshot file's
+bytes are what a lagging follower receives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import secrets
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from cluster.raft.core import NotLeader, ProposalDropped, RaftCore, Ready, Role
+from cluster.raft.messages import (
+    ConfChange,
+    ConfChangeOp,
+    DecodeError,
+    Entry,
+    EntryKind,
+    HardState,
+    Message,
+    Snapshot,
+    SnapshotMeta,
+)
+from cluster.storage import RaftStorage, StoredEntry, encode_entry, encode_hard_state
+from cluster.transport import PeerClients
+from etcdserverpb import internal_pb2
+from queue_server.apply import ApplyResult, StateMachine
+from queue_server.errors import EtcdError, RequestTimeout, RequestTooLarge, ServerStopped
+from queue_server.storage import snapshot as snapshot_format
+from queue_server.storage.local_log import ENTRY_HEADER_BYTES
+
+log = logging.getLogger(__name__)
+
+TICK_SECONDS = 0.1
+"""One raft tick: etcd's default heartbeat interval."""
+ELECTION_TICKS = 10
+"""Election timeout in ticks (1 s, etcd's default)."""
+REQUEST_TIMEOUT = 7.0
+"""How long a proposal or a linearizable read may wait (etcd: 5 s + 2 elections)."""
+KEEP_RESULTS = 4096
+"""Applied results kept for forwarded proposals whose answer arrives late."""
+
+_INDEX_TERM = struct.Struct("<QQ")
+_CONF = struct.Struct("<BQ")
+
+
+class NoLeader(EtcdError):
+    code = "UNAVAILABLE"
+    message = "etcdserver: no leader"
+
+
+class LeaderChanged(EtcdError):
+    code = "UNAVAILABLE"
+    message = "etcdserver: leader changed"
+
+
+class ClusterLog:
+    """The log of a member of a Raft cluster, behind the `Proposer` protocol."""
+
+    def __init__(
+        self,
+        data_dir: str,
+        state: StateMachine,
+        member_id: int,
+        voters: list[int],
+        peers: PeerClients,
+        *,
+        fsync: bool = True,
+        snapshot_count: int = 100_000,
+        max_request_bytes: int = 1_572_864,
+        join: bool = False,
+    ) -> None:
+        self.state_machine = state
+        self.member_id = member_id
+        self.peers = peers
+        self.storage = RaftStorage(data_dir, fsync)
+        self.snapshot_count = snapshot_count
+        self.max_request_bytes = max_request_bytes
+        self._initial_voters = [] if join else voters
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raft-wal")
+        self._rng = random.Random(secrets.randbits(64))
+        self.core: RaftCore | None = None
+        self._waiters: dict[int, tuple[int, asyncio.Future[ApplyResult]]] = {}
+        self._results: OrderedDict[int, tuple[int, ApplyResult]] = OrderedDict()
+        self._applied_waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._reads: dict[bytes, asyncio.Future[int]] = {}
+        self._leader_known = asyncio.Event()
+        self._busy = False
+        self._again = False
+        self._closed = False
+        self._snapshot_index = 0
+        self._ticker: asyncio.Task[None] | None = None
+        self._cycle: asyncio.Task[None] | None = None
+        self.on_leader_change: Callable[[int], None] | None = None
+        self.on_conf_change: Callable[[ConfChange], None] | None = None
+        self._last_leader = 0
+        self._warned_at = -10.0
+
+    # -- start and stop ---------------------------------------------------------------
+
+    def recover(self) -> None:
+        """Load what this member persisted and rebuild the core and the state."""
+        loaded = self.storage.load()
+        sm = self.state_machine
+        snap: Snapshot | None = None
+        if loaded.state is not None:
+            sm.restore_state(loaded.state)
+            self._snapshot_index = loaded.snapshot_index
+            raw = self.storage.raw_snapshot()
+            meta = SnapshotMeta(loaded.snapshot_index, loaded.snapshot_term, loaded.voters)
+            snap = Snapshot(meta, raw)
+        fresh = loaded.term == 0 and not loaded.entries and snap is None
+        if fresh:
+            self.core = RaftCore(
+                self.member_id, self._initial_voters, rng=self._rng, election_ticks=ELECTION_TICKS
+            )
+        else:
+            entries = [Entry(e.term, e.index, EntryKind(e.kind), e.data) for e in loaded.entries]
+            hs = HardState(loaded.term, loaded.vote, loaded.commit)
+            self.core = RaftCore.restore(
+                self.member_id,
+                hs,
+                snap,
+                entries,
+                rng=self._rng,
+                applied=sm.applied_index if sm.applied_index >= self._snapshot_index else None,
+                election_ticks=ELECTION_TICKS,
+            )
+        log.info(
+            "raft recovered member=%x term=%d snapshot=%d entries=%d voters=%s",
+            self.member_id,
+            loaded.term,
+            loaded.snapshot_index,
+            len(loaded.entries),
+            ",".join(f"{v:x}" for v in sorted(self.core.voters)),
+        )
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._ticker = loop.create_task(self._tick_forever())
+        self._kick()
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._ticker is not None:
+            self._ticker.cancel()
+        while self._cycle is not None and not self._cycle.done():
+            await asyncio.shield(self._cycle)
+        for _, fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(ServerStopped())
+        self._writer.shutdown(wait=True)
+        self.storage.close()
+
+    # -- what the rest of the server asks -------------------------------------------
+
+    @property
+    def last_index(self) -> int:
+        return self.core.last_index if self.core is not None else 0
+
+    @property
+    def term(self) -> int:
+        return self.core.term if self.core is not None else 0
+
+    @property
+    def leader_id(self) -> int:
+        return self.core.leader_id if self.core is not None else 0
+
+    @property
+    def is_leader(self) -> bool:
+        return self.core is not None and self.core.role is Role.LEADER
+
+    @property
+    def voters(self) -> frozenset[int]:
+        return self.core.voters if self.core is not None else frozenset()
+
+    async def propose(self, command: internal_pb2.Command) -> ApplyResult:
+        """Replicate `command`; its result once this member has applied it."""
+        if self._closed:
+            raise ServerStopped()
+        data = command.SerializeToString()
+        if len(data) + ENTRY_HEADER_BYTES > self.max_request_bytes:
+            raise RequestTooLarge()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REQUEST_TIMEOUT
+        while True:
+            placed = await self._place(b"P" + data, deadline)
+            if placed is not None:
+                index, term = placed
+                return await self._result(index, term, deadline)
+
+    async def change_membership(self, op: ConfChangeOp, member_id: int, context: bytes) -> None:
+        """Add or remove one voter, through the leader; returns once applied here."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REQUEST_TIMEOUT
+        request = b"C" + _CONF.pack(op, member_id) + context
+        while True:
+            placed = await self._place(request, deadline)
+            if placed is not None:
+                await self._result(*placed, deadline)
+                return
+
+    def _propose_local(self, request: bytes) -> int:
+        """Propose a tagged request on the leader: b"P" + command, or b"C" + a
+        membership change. Raises NotLeader / ProposalDropped."""
+        core = self.core
+        assert core is not None
+        if request[:1] == b"C":
+            op, member_id = _CONF.unpack_from(request, 1)
+            context = request[1 + _CONF.size :]
+            if op == ConfChangeOp.ADD:
+                return core.propose_conf_change(add=member_id, context=context)
+            return core.propose_conf_change(remove=member_id, context=context)
+        return core.propose(request[1:])
+
+    async def _place(self, data: bytes, deadline: float) -> tuple[int, int] | None:
+        """Put a tagged request in the leader's log: (index, term), or None to
+        try again."""
+        core = self.core
+        assert core is not None
+        loop = asyncio.get_running_loop()
+        if core.role is Role.LEADER:
+            try:
+                index = self._propose_local(data)
+            except (NotLeader, ProposalDropped):
+                await self._pause(deadline)
+                return None
+            self._kick()
+            return index, core.term
+        leader = core.leader_id
+        if leader == 0:
+            await self._wait_leader(deadline)
+            return None
+        try:
+            answer = await self.peers.forward(leader, data)
+        except (grpc.RpcError, KeyError) as e:
+            log.debug("forward to leader %x failed: %s", leader, e)
+            await self._pause(deadline)
+            return None
+        if answer[:1] != b"I":
+            await self._pause(deadline)
+            return None
+        if loop.time() > deadline:
+            raise RequestTimeout()
+        index, term = _INDEX_TERM.unpack_from(answer, 1)
+        return index, term
+
+    async def _pause(self, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        if loop.time() + TICK_SECONDS > deadline:
+            raise RequestTimeout()
+        await asyncio.sleep(TICK_SECONDS)
+
+    async def _wait_leader(self, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            raise NoLeader()
+        self._leader_known.clear()
+        try:
+            await asyncio.wait_for(self._leader_known.wait(), min(remaining, TICK_SECONDS * 5))
+        except TimeoutError:
+            if loop.time() >= deadline:
+                raise NoLeader() from None
+
+    async def _result(self, index: int, term: int, deadline: float) -> ApplyResult:
+        kept = self._results.get(index)
+        if kept is not None:
+            if kept[0] != term:
+                raise LeaderChanged()
+            return kept[1]
+        if index <= self.state_machine.applied_index:
+            raise LeaderChanged()  # applied and forgotten: cannot tell; rare, retryable
+        fut: asyncio.Future[ApplyResult] = asyncio.get_running_loop().create_future()
+        self._waiters[index] = (term, fut)
+        try:
+            return await asyncio.wait_for(
+                asyncio.shield(fut), deadline - asyncio.get_running_loop().time()
+            )
+        except TimeoutError:
+            raise RequestTimeout() from None
+        finally:
+            if self._waiters.get(index, (0, None))[1] is fut:
+                del self._waiters[index]
+
+    async def linearize(self) -> None:
+        """Wait until this member's state reflects every write committed before now."""
+        core = self.core
+        assert core is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REQUEST_TIMEOUT
+        while True:
+            ctx = secrets.token_bytes(12)
+            fut: asyncio.Future[int] = loop.create_future()
+            self._reads[ctx] = fut
+            try:
+                core.read_index(ctx)
+            except NotLeader:
+                self._reads.pop(ctx, None)
+                await self._wait_leader(deadline)
+                continue
+            self._kick()
+            try:
+                index = await asyncio.wait_for(fut, min(1.0, max(0.0, deadline - loop.time())))
+            except TimeoutError:
+                if loop.time() >= deadline:
+                    raise RequestTimeout() from None
+                continue  # leadership moved: ask again
+            finally:
+                self._reads.pop(ctx, None)
+            await self._applied(index, deadline)
+            return
+
+    async def _applied(self, index: int, deadline: float) -> None:
+        if self.state_machine.applied_index >= index:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._applied_waiters.append((index, fut))
+        try:
+            await asyncio.wait_for(fut, max(0.0, deadline - asyncio.get_running_loop().time()))
+        except TimeoutError:
+            raise RequestTimeout() from None
+
+    async def snapshot_now(self) -> None:
+        """Take a snapshot at the applied index (Defragment, tests)."""
+        applied = self.state_machine.applied_index
+        if applied > self._snapshot_index and self.core is not None:
+            self._snapshot(applied)
+            await asyncio.get_running_loop().run_in_executor(self._writer, lambda: None)
+
+    # -- peers ------------------------------------------------------------------------
+
+    def deliver(self, messages: list[bytes]) -> None:
+        """Raft messages from a peer."""
+        core = self.core
+        if core is None or self._closed:
+            return
+        for raw in messages:
+            try:
+                m = Message.from_bytes(raw)
+            except DecodeError as e:
+                log.warning("dropping a malformed raft message: %s", e)
+                continue
+            if m.dst != self.member_id:
+                self._misdirected(m)
+                continue
+            core.step(m)
+        self._kick()
+
+    def _misdirected(self, m: Message) -> None:
+        """A message for another member id: most likely another cluster token."""
+        now = time.monotonic()
+        if now - self._warned_at >= 10:
+            self._warned_at = now
+            log.warning(
+                "raft message from %x for member %x, but this member is %x: "
+                "do --initial-cluster and --initial-cluster-token match on every member?",
+                m.src,
+                m.dst,
+                self.member_id,
+            )
+
+    async def forwarded(self, request: bytes) -> bytes:
+        """A follower's request (b"P" + command, b"C" + membership change) ->
+        b"I" + (index, term), or b"N" to try again."""
+        core = self.core
+        if core is None or request[:1] not in (b"P", b"C") or core.role is not Role.LEADER:
+            return b"N"
+        try:
+            index = self._propose_local(request)
+        except (NotLeader, ProposalDropped, ValueError):
+            return b"N"
+        self._kick()
+        return b"I" + _INDEX_TERM.pack(index, core.term)
+
+    # -- the Ready cycle --------------------------------------------------------------
+
+    async def _tick_forever(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_SECONDS)
+            if self.core is not None:
+                self.core.tick()
+                self._kick()
+
+    def _kick(self) -> None:
+        """Run the Ready cycle soon (once, however many times it is kicked)."""
+        if self._busy:
+            self._again = True
+            return
+        self._busy = True
+        self._cycle = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        core = self.core
+        assert core is not None
+        try:
+            while True:
+                self._again = False
+                while core.has_ready():
+                    rd = core.ready()
+                    await self._handle(rd)
+                    core.advance(rd)
+                    self._after_advance()
+                if not self._again:
+                    return
+        except Exception:
+            log.exception("raft ready cycle failed")
+            raise
+        finally:
+            self._busy = False
+
+    async def _handle(self, rd: Ready) -> None:
+        loop = asyncio.get_running_loop()
+        if rd.snapshot is not None:
+            await self._install(rd.snapshot)
+        records: list[bytes] = [
+            encode_entry(StoredEntry(e.index, e.term, int(e.kind), e.data)) for e in rd.entries
+        ]
+        if rd.hard_state is not None and rd.must_sync:
+            hs = rd.hard_state
+            records.append(encode_hard_state(hs.term, hs.vote, hs.commit))
+        if records:
+            data, last = self.storage.encode(records)
+            await loop.run_in_executor(self._writer, self.storage.write, data, last)
+        for m in rd.messages:
+            self.peers.send(m.dst, m.to_bytes())
+        for e in rd.committed:
+            self._apply(e)
+        for rs in rd.read_states:
+            fut = self._reads.get(rs.context)
+            if fut is not None and not fut.done():
+                fut.set_result(rs.index)
+
+    def _apply(self, e: Entry) -> None:
+        sm = self.state_machine
+        if e.index <= sm.applied_index:
+            return  # already in the restored state
+        result: ApplyResult
+        if e.kind is EntryKind.NORMAL and e.data:
+            result = sm.apply(e.index, internal_pb2.Command.FromString(e.data))
+        else:
+            sm.applied_index = e.index  # a leader's empty entry or a membership change
+            result = internal_pb2.CqsSettleResponse()  # no result to give
+            if e.kind is EntryKind.CONF_CHANGE and self.on_conf_change is not None:
+                self.on_conf_change(ConfChange.from_bytes(e.data))
+        self._results[e.index] = (e.term, result)
+        if len(self._results) > KEEP_RESULTS:
+            self._results.popitem(last=False)
+        waiter = self._waiters.pop(e.index, None)
+        if waiter is not None:
+            term, fut = waiter
+            if not fut.done():
+                if term == e.term:
+                    fut.set_result(result)
+                else:
+                    fut.set_exception(LeaderChanged())
+
+    def _after_advance(self) -> None:
+        core = self.core
+        assert core is not None
+        applied = self.state_machine.applied_index
+        if self._applied_waiters:
+            still = []
+            for index, fut in self._applied_waiters:
+                if index <= applied:
+                    if not fut.done():
+                        fut.set_result(None)
+                else:
+                    still.append((index, fut))
+            self._applied_waiters = still
+        leader = core.leader_id
+        if leader:
+            self._leader_known.set()
+        if leader != self._last_leader:
+            self._last_leader = leader
+            log.info("raft leader member=%x term=%d", leader, core.term)
+            if self.on_leader_change is not None:
+                self.on_leader_change(leader)
+        if applied - self._snapshot_index >= self.snapshot_count:
+            self._snapshot(applied)
+
+    def _snapshot(self, index: int) -> None:
+        core = self.core
+        assert core is not None
+        state = self.state_machine.export_state()
+        hs = core.hard_state
+        snap_meta_term = core.log.term(index) or 0
+        voters = core.conf_at(index)
+        payload = {"index": index, "term": snap_meta_term, "voters": list(voters), "state": state}
+        data = snapshot_format.encode(index, payload)
+        core.compact(index, data)
+        later = [
+            StoredEntry(e.index, e.term, int(e.kind), e.data)
+            for e in core.log.slice(index + 1, core.log.stable_last)
+        ]
+        job = self.storage.snapshot_job_encoded(index, data, (hs.term, hs.vote, hs.commit), later)
+        self._writer.submit(job)
+        self._snapshot_index = index
+
+    async def _install(self, snap: Snapshot) -> None:
+        """A snapshot from the leader: persist it, then become it."""
+        meta = snap.meta
+        _, payload = snapshot_format.decode(snap.data, f"snapshot from leader at {meta.index}")
+        hs = self.core.hard_state if self.core is not None else HardState()
+        job = self.storage.snapshot_job_encoded(
+            meta.index, snap.data, (hs.term, hs.vote, max(hs.commit, meta.index)), []
+        )
+        await asyncio.get_running_loop().run_in_executor(self._writer, job)
+        self.state_machine.restore_state(payload["state"])
+        self._snapshot_index = meta.index
+        log.info("raft installed snapshot index=%d term=%d", meta.index, meta.term)

@@ -1,0 +1,310 @@
+"""A three-member Raft cluster of real processes on loopback: any member serves
+any client, a killed leader is replaced with nothing acknowledged lost, a
+stopped leader is replaced and rejoins into one history."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from etcdserverpb import cqs_pb2, cqs_pb2_grpc, rpc_pb2, rpc_pb2_grpc
+from tests.support.cluster import Cluster, Member
+from tests.support.processes import free_port
+
+pytestmark = pytest.mark.integration
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+WAIT = 20.0
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path).start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def kv(member: Member) -> tuple[grpc.Channel, rpc_pb2_grpc.KVStub]:
+    ch = grpc.insecure_channel(member.endpoint)
+    return ch, rpc_pb2_grpc.KVStub(ch)
+
+
+def get(member: Member, key: bytes, serializable: bool = False) -> bytes | None:
+    ch, stub = kv(member)
+    with ch:
+        resp = stub.Range(rpc_pb2.RangeRequest(key=key, serializable=serializable), timeout=5)
+    return resp.kvs[0].value if resp.kvs else None
+
+
+def keys_with_prefix(member: Member, prefix: bytes, serializable: bool) -> set[bytes]:
+    ch, stub = kv(member)
+    with ch:
+        resp = stub.Range(
+            rpc_pb2.RangeRequest(
+                key=prefix,
+                range_end=prefix[:-1] + bytes([prefix[-1] + 1]),
+                keys_only=True,
+                serializable=serializable,
+            ),
+            timeout=5,
+        )
+    return {item.key for item in resp.kvs}
+
+
+def etcdctl(endpoints: str, *args: str) -> str:
+    out = subprocess.run(
+        ["etcdctl", f"--endpoints={endpoints}", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    return out.stdout
+
+
+def test_any_member_serves_reads_writes_and_watches(cluster: Cluster) -> None:
+    n1, n2, n3 = cluster.members
+    etcdctl(n1.endpoint, "put", "greeting", "hello")
+    assert etcdctl(n2.endpoint, "get", "greeting") == "greeting\nhello\n"
+    assert etcdctl(n3.endpoint, "get", "greeting") == "greeting\nhello\n"
+    # member list: every member, with its name, peer URL and client URL
+    rows = etcdctl(cluster.endpoints, "member", "list").strip().splitlines()
+    assert len(rows) == 3
+    for m in cluster.members:
+        assert any(
+            f", {m.data_dir.name}, http://127.0.0.1:{m.peer_port}, http://{m.endpoint}," in r
+            for r in rows
+        ), rows
+    status = etcdctl(cluster.endpoints, "endpoint", "status").strip().splitlines()
+    assert len(status) == 3
+    assert sum(", true, " in line for line in status) == 1, status
+    # a watch on n3 sees writes made through n1 and n2, in revision order
+    with grpc.insecure_channel(n3.endpoint) as ch:
+        watch = rpc_pb2_grpc.WatchStub(ch)
+        created = threading.Event()
+        requests = iter([rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=b"w"))])
+
+        def gen() -> Iterator[rpc_pb2.WatchRequest]:
+            yield from requests
+            created.wait(WAIT)  # keep the stream open until the test is done
+
+        stream = watch.Watch(gen(), timeout=WAIT)
+        try:
+            first = next(stream)
+            assert first.created
+            for member, value in ((n1, b"one"), (n2, b"two")):
+                ch2, stub = kv(member)
+                with ch2:
+                    stub.Put(rpc_pb2.PutRequest(key=b"w", value=value), timeout=10)
+            seen: list[tuple[bytes, int]] = []
+            while len(seen) < 2:
+                resp = next(stream)
+                seen += [(e.kv.value, e.kv.mod_revision) for e in resp.events]
+            assert [v for v, _ in seen] == [b"one", b"two"]
+            assert seen[0][1] < seen[1][1]
+        finally:
+            created.set()
+            stream.cancel()
+
+
+class Writer:
+    """Puts `load/{i}` one after another through whichever member answers,
+    retrying on UNAVAILABLE; remembers what was acknowledged."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.acked: list[bytes] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> Writer:
+        self._thread.start()
+        return self
+
+    def wait_for(self, count: int, timeout: float = WAIT) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.acked) < count:
+            assert time.monotonic() < deadline, f"only {len(self.acked)} writes acknowledged"
+            time.sleep(0.02)  # poll interval of a counter another thread advances
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=WAIT)
+
+    def _run(self) -> None:
+        i = 0
+        turn = 0
+        deadline = time.monotonic() + 60
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            live = [m for m in self.cluster.members if m.alive]
+            member = live[turn % len(live)]
+            key = b"load/%06d" % i
+            try:
+                with grpc.insecure_channel(member.endpoint) as ch:
+                    rpc_pb2_grpc.KVStub(ch).Put(rpc_pb2.PutRequest(key=key, value=b"v"), timeout=3)
+                self.acked.append(key)
+                i += 1
+            except grpc.RpcError as e:
+                if e.code() not in RETRYABLE:
+                    self.errors.append(f"{e.code()}: {e.details()}")
+                turn += 1
+
+
+def test_leader_killed_under_load_loses_nothing_and_rejoins(cluster: Cluster) -> None:
+    leader = cluster.wait_leader()
+    writer = Writer(cluster).start()
+    try:
+        writer.wait_for(30)
+        killed_at = time.monotonic()
+        leader.kill()
+        new_leader = cluster.wait_leader(exclude=leader)
+        failover = time.monotonic() - killed_at
+        before = len(writer.acked)
+        writer.wait_for(before + 30)
+    finally:
+        writer.stop()
+    print(f"\nnew leader {failover:.2f}s after SIGKILL of the old one")
+    assert new_leader is not leader
+    assert failover < 10, failover
+    assert writer.errors == []
+    acked = set(writer.acked)
+    for m in cluster.members:
+        if m.alive:
+            assert acked <= keys_with_prefix(m, b"load/", serializable=False)
+    # the killed member comes back from its data dir and catches up
+    leader.start()
+    deadline = time.monotonic() + WAIT
+    while not acked <= keys_with_prefix(leader, b"load/", serializable=True):
+        assert time.monotonic() < deadline, "the restarted member did not catch up"
+        time.sleep(0.1)  # poll its local state, bounded
+
+
+def test_stopped_leader_is_replaced_and_rejoins_into_one_history(cluster: Cluster) -> None:
+    old = cluster.wait_leader()
+    old.pause()
+    try:
+        new = cluster.wait_leader(exclude=old)
+        ch, stub = kv(new)
+        with ch:
+            stub.Put(rpc_pb2.PutRequest(key=b"during", value=b"split"), timeout=10)
+    finally:
+        old.resume()
+    # the old leader learns the new term and follows; a write through it lands
+    deadline = time.monotonic() + WAIT
+    while old.status().leader in (0, old.status().header.member_id):
+        assert time.monotonic() < deadline, "the old leader never followed"
+        time.sleep(0.05)  # poll its status, bounded
+    ch, stub = kv(old)
+    with ch:
+        put = stub.Put(rpc_pb2.PutRequest(key=b"after", value=b"heal"), timeout=10)
+    assert get(old, b"during") == b"split"
+    # one history: every member has the same keys at the same revision
+    for m in cluster.members:
+        deadline = time.monotonic() + WAIT
+        while get(m, b"after", serializable=True) != b"heal":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)  # poll its local state, bounded
+    hashes = set()
+    for m in cluster.members:
+        with grpc.insecure_channel(m.endpoint) as ch:
+            resp = rpc_pb2_grpc.MaintenanceStub(ch).HashKV(
+                rpc_pb2.HashKVRequest(revision=put.header.revision), timeout=5
+            )
+        hashes.add(resp.hash)
+    assert len(hashes) == 1
+
+
+def test_a_fourth_member_joins_catches_up_and_is_removed(cluster: Cluster, tmp_path: Path) -> None:
+    n1 = cluster.members[0]
+    etcdctl(cluster.endpoints, "put", "before-join", "yes")
+    peer_port = free_port()
+    out = etcdctl(
+        cluster.members[1].endpoint,
+        "member",
+        "add",
+        "n4",
+        f"--peer-urls=http://127.0.0.1:{peer_port}",
+    )
+    assert "added to cluster" in out
+    initial = ",".join(
+        [f"{m.data_dir.name}=http://127.0.0.1:{m.peer_port}" for m in cluster.members]
+        + [f"n4=http://127.0.0.1:{peer_port}"]
+    )
+    n4 = Member(
+        tmp_path / "n4",
+        peer_port,
+        [
+            "--initial-cluster",
+            initial,
+            "--initial-cluster-token",
+            "test-cluster",
+            "--initial-cluster-state",
+            "existing",
+        ],
+    )
+    cluster.members.append(n4)  # stopped with the others
+    n4.start()
+    deadline = time.monotonic() + WAIT
+    while get(n4, b"before-join", serializable=True) != b"yes":
+        assert time.monotonic() < deadline, "the new member did not catch up"
+        time.sleep(0.05)  # poll its local state, bounded
+    rows = etcdctl(n1.endpoint, "member", "list").strip().splitlines()
+    assert len(rows) == 4 and any(", n4, " in r for r in rows), rows
+    # four voters: a write needs three of them, and still commits
+    etcdctl(n4.endpoint, "put", "with-four", "ok")
+    assert etcdctl(n1.endpoint, "get", "with-four") == "with-four\nok\n"
+    n4_id = n4.status().header.member_id
+    etcdctl(n1.endpoint, "member", "remove", f"{n4_id:x}")
+    rows = etcdctl(n1.endpoint, "member", "list").strip().splitlines()
+    assert len(rows) == 3 and not any(", n4, " in r for r in rows), rows
+    n4.kill()
+    cluster.members.remove(n4)
+    etcdctl(cluster.endpoints, "put", "after-remove", "ok")
+    assert etcdctl(cluster.members[2].endpoint, "get", "after-remove") == "after-remove\nok\n"
+
+
+def test_cqs_works_through_any_member(cluster: Cluster) -> None:
+    n1, n2, n3 = cluster.members
+    with grpc.insecure_channel(n1.endpoint) as ch:
+        cqs_pb2_grpc.DtoChangeQueueServiceStub(ch).CreateOrConfigureQueue(
+            cqs_pb2.CreateOrConfigureQueueRequest(
+                queue_name="renderer",
+                subscriptions=[cqs_pb2.DtoTypeSubscription(dto_type="storeesl.v1")],
+            ),
+            timeout=10,
+        )
+    etcdctl(
+        n2.endpoint,
+        "put",
+        "/q/dto:storeesl.v1/p/x",
+        '{"dto_id": "t/fm/s/oslo/esls/1", "sla_timestamp": "2026-01-01T10:00:01Z"}',
+    )
+    with grpc.insecure_channel(n3.endpoint) as ch:
+        stub = cqs_pb2_grpc.DtoChangeQueueServiceStub(ch)
+        got = stub.BatchDequeue(
+            cqs_pb2.BatchDequeueRequest(
+                queue_name="renderer", max_notifications=5, wait_time_milliseconds=5000
+            ),
+            timeout=10,
+        ).notifications
+    assert [n.dto_id for n in got] == ["t/fm/s/oslo/esls/1"]
+    with grpc.insecure_channel(n1.endpoint) as ch:
+        stub = cqs_pb2_grpc.DtoChangeQueueServiceStub(ch)
+        stub.BatchAcknowledge(
+            cqs_pb2.BatchAcknowledgeRequest(queue_name="renderer", ack_tokens=[got[0].ack_token]),
+            timeout=10,
+        )
+    # acknowledged everywhere: the view on the third member shows nothing left
+    deadline = time.monotonic() + WAIT
+    while keys_with_prefix(n2, b"/q/renderer/0", serializable=True):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)  # poll its local state, bounded

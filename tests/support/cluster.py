@@ -1,0 +1,116 @@
+"""A cluster of our server processes on loopback, for tests.
+
+Each member is a `ServerProcess` with its own client and peer port and data dir;
+`--initial-cluster` names them all. Who leads is read from Maintenance.Status on
+every live member (bounded polls, never sleeps as synchronisation).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+
+from etcdserverpb import rpc_pb2, rpc_pb2_grpc
+from tests.support.processes import ServerProcess, free_port, wait_ready
+
+LEADER_TIMEOUT = 20.0
+
+
+class Member(ServerProcess):
+    """One member: a server process that knows its peer port."""
+
+    def __init__(self, data_dir: Path, peer_port: int, cluster_args: list[str]) -> None:
+        self.peer_port = peer_port
+        peer = f"http://127.0.0.1:{peer_port}"
+        super().__init__(
+            data_dir,
+            extra_args=[
+                "--listen-peer-urls",
+                peer,
+                "--initial-advertise-peer-urls",
+                peer,
+                *cluster_args,
+            ],
+        )
+        self.stopped = False
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None and not self.stopped
+
+    def pause(self) -> None:
+        """SIGSTOP: the member is cut off (no traffic in or out) but keeps its state."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        self.stopped = True
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+        self.stopped = False
+
+    def status(self, timeout: float = 2.0) -> rpc_pb2.StatusResponse:
+        with grpc.insecure_channel(self.endpoint) as ch:
+            return rpc_pb2_grpc.MaintenanceStub(ch).Status(rpc_pb2.StatusRequest(), timeout=timeout)
+
+
+class Cluster:
+    """`size` members started together with one --initial-cluster."""
+
+    def __init__(self, root: Path, size: int = 3, extra_args: list[str] | None = None) -> None:
+        names = [f"n{i + 1}" for i in range(size)]
+        peers = {name: free_port() for name in names}
+        initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in peers.items())
+        args = ["--initial-cluster", initial, "--initial-cluster-token", "test-cluster"]
+        args += list(extra_args or [])
+        self.members = [Member(root / name, peers[name], args) for name in names]
+
+    @property
+    def endpoints(self) -> str:
+        return ",".join(m.endpoint for m in self.members)
+
+    def start(self) -> Cluster:
+        for m in self.members:
+            m.start(wait=False)
+        for m in self.members:
+            assert m.proc is not None
+            wait_ready(m.endpoint, m.proc)
+        self.wait_leader()
+        return self
+
+    def stop(self) -> None:
+        for m in self.members:
+            if m.proc is None or m.proc.poll() is not None:
+                continue
+            if m.stopped:
+                m.resume()
+            m.stop()
+
+    def by_id(self, member_id: int) -> Member:
+        for m in self.members:
+            if m.alive and m.status().header.member_id == member_id:
+                return m
+        raise LookupError(f"no live member {member_id:x}")
+
+    def wait_leader(self, timeout: float = LEADER_TIMEOUT, exclude: Member | None = None) -> Member:
+        """The member every live member (but `exclude`) names as leader."""
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            try:
+                live = [m for m in self.members if m.alive and m is not exclude]
+                leaders = {m.status().leader for m in live}
+                if len(leaders) == 1 and 0 not in leaders:
+                    (leader_id,) = leaders
+                    found = self.by_id(leader_id)
+                    if found is not exclude:
+                        return found
+                last = f"members name {sorted(leaders)}"
+            except (grpc.RpcError, LookupError) as e:
+                last = str(e)
+            time.sleep(0.05)  # a poll interval, bounded by the deadline
+        raise TimeoutError(f"no single leader after {timeout}s: {last}")
