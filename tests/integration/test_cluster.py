@@ -308,3 +308,50 @@ def test_cqs_works_through_any_member(cluster: Cluster) -> None:
     while keys_with_prefix(n2, b"/q/renderer/0", serializable=True):
         assert time.monotonic() < deadline
         time.sleep(0.05)  # poll its local state, bounded
+
+
+def test_a_member_behind_the_compacted_log_catches_up_by_snapshot(tmp_path: Path) -> None:
+    c = Cluster(tmp_path, extra_args=["--snapshot-count", "20"]).start()
+    try:
+        leader = c.wait_leader()
+        follower = next(m for m in c.members if m is not leader)
+        follower.kill()
+        ch, stub = kv(leader)
+        with ch:
+            for i in range(120):  # several snapshots: the log the follower needs is gone
+                stub.Put(rpc_pb2.PutRequest(key=b"snap/%03d" % i, value=b"v"), timeout=10)
+        follower.start()
+        want = {b"snap/%03d" % i for i in range(120)}
+        deadline = time.monotonic() + WAIT
+        while keys_with_prefix(follower, b"snap/", serializable=True) != want:
+            assert time.monotonic() < deadline, "the follower did not catch up"
+            time.sleep(0.1)  # poll its local state, bounded
+        # and it keeps following after the snapshot
+        etcdctl(leader.endpoint, "put", "snap/after", "x")
+        deadline = time.monotonic() + WAIT
+        while get(follower, b"snap/after", serializable=True) != b"x":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)  # poll its local state, bounded
+        assert "installed snapshot" in follower.log_text()
+    finally:
+        c.stop()
+
+
+def test_whole_cluster_restarts_from_snapshots_and_logs(tmp_path: Path) -> None:
+    c = Cluster(tmp_path, extra_args=["--snapshot-count", "20"]).start()
+    try:
+        ch, stub = kv(c.wait_leader())
+        with ch:
+            for i in range(50):
+                stub.Put(rpc_pb2.PutRequest(key=b"r/%03d" % i, value=b"v"), timeout=10)
+        for m in c.members:
+            m.kill()
+        for m in c.members:
+            m.start(wait=False)
+        c.wait_leader()
+        want = {b"r/%03d" % i for i in range(50)}
+        for m in c.members:
+            assert keys_with_prefix(m, b"r/", serializable=False) == want
+        etcdctl(c.endpoints, "put", "r/after", "x")
+    finally:
+        c.stop()
