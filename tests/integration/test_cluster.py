@@ -355,3 +355,64 @@ def test_whole_cluster_restarts_from_snapshots_and_logs(tmp_path: Path) -> None:
         etcdctl(c.endpoints, "put", "r/after", "x")
     finally:
         c.stop()
+
+
+def test_a_cut_off_leader_steps_down_and_commits_nothing(tmp_path: Path) -> None:
+    """No split brain: a leader that hears from no other member stops being leader
+    (CheckQuorum) and acknowledges no write, the majority elects and serves, and
+    after healing there is one history. (The cut is one-way, as a firewall may
+    make it: the old leader's appends still reach the others, so its write may be
+    committed by the new leader, which is why the client is told UNAVAILABLE, an
+    unknown outcome, as etcd says "request timed out".)"""
+    c = Cluster(tmp_path, proxied=True).start()
+    try:
+        old = c.wait_leader()
+        old_id = old.status().header.member_id
+        c.proxy_of(old).cut()
+        failed: list[str] = []
+
+        def write_through_old() -> None:
+            ch, stub = kv(old)
+            try:
+                with ch:
+                    stub.Put(rpc_pb2.PutRequest(key=b"split", value=b"brain"), timeout=12)
+                failed.append("acknowledged")
+            except grpc.RpcError as e:
+                failed.append(e.code().name)
+
+        writer = threading.Thread(target=write_through_old)
+        writer.start()  # while the old leader may still think it leads
+        new = c.wait_leader(exclude=old)
+        ch, stub = kv(new)
+        with ch:
+            stub.Put(rpc_pb2.PutRequest(key=b"majority", value=b"ok"), timeout=10)
+        deadline = time.monotonic() + WAIT
+        while old.status().leader == old_id:
+            assert time.monotonic() < deadline, "the cut-off leader never stepped down"
+            time.sleep(0.05)  # poll its status, bounded
+        writer.join(timeout=WAIT)
+        assert failed and failed[0] in ("UNAVAILABLE", "DEADLINE_EXCEEDED"), failed
+        c.proxy_of(old).heal()
+        deadline = time.monotonic() + WAIT
+        while get(old, b"majority", serializable=True) != b"ok":
+            assert time.monotonic() < deadline, "the healed member did not catch up"
+            time.sleep(0.05)  # poll its local state, bounded
+        ch, stub = kv(new)
+        with ch:
+            final = stub.Put(rpc_pb2.PutRequest(key=b"healed", value=b"yes"), timeout=10)
+        for m in c.members:
+            deadline = time.monotonic() + WAIT
+            while get(m, b"healed", serializable=True) != b"yes":
+                assert time.monotonic() < deadline
+                time.sleep(0.05)  # poll its local state, bounded
+        hashes = set()
+        for m in c.members:
+            with grpc.insecure_channel(m.endpoint) as ch:
+                resp = rpc_pb2_grpc.MaintenanceStub(ch).HashKV(
+                    rpc_pb2.HashKVRequest(revision=final.header.revision), timeout=5
+                )
+            hashes.add(resp.hash)
+        assert len(hashes) == 1
+        assert len({get(m, b"split", serializable=True) for m in c.members}) == 1
+    finally:
+        c.stop()

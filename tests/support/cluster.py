@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 
 from etcdserverpb import rpc_pb2, rpc_pb2_grpc
+from tests.support.peer_proxy import PeerProxy
 from tests.support.processes import ServerProcess, free_port, wait_ready
 
 LEADER_TIMEOUT = 20.0
@@ -23,14 +24,23 @@ LEADER_TIMEOUT = 20.0
 class Member(ServerProcess):
     """One member: a server process that knows its peer port."""
 
-    def __init__(self, data_dir: Path, peer_port: int, cluster_args: list[str]) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        peer_port: int,
+        cluster_args: list[str],
+        listen_peer_port: int | None = None,
+    ) -> None:
+        """`peer_port` is the advertised one; the member listens on
+        `listen_peer_port` when a proxy stands in between."""
         self.peer_port = peer_port
         peer = f"http://127.0.0.1:{peer_port}"
+        listen = f"http://127.0.0.1:{listen_peer_port or peer_port}"
         super().__init__(
             data_dir,
             extra_args=[
                 "--listen-peer-urls",
-                peer,
+                listen,
                 "--initial-advertise-peer-urls",
                 peer,
                 *cluster_args,
@@ -61,13 +71,31 @@ class Member(ServerProcess):
 class Cluster:
     """`size` members started together with one --initial-cluster."""
 
-    def __init__(self, root: Path, size: int = 3, extra_args: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        size: int = 3,
+        extra_args: list[str] | None = None,
+        proxied: bool = False,
+    ) -> None:
+        """With `proxied`, each member's peer traffic comes in through a
+        `PeerProxy` (see `proxy_of`), so a test can cut a member off."""
         names = [f"n{i + 1}" for i in range(size)]
         peers = {name: free_port() for name in names}
         initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in peers.items())
         args = ["--initial-cluster", initial, "--initial-cluster-token", "test-cluster"]
         args += list(extra_args or [])
-        self.members = [Member(root / name, peers[name], args) for name in names]
+        self.proxies: dict[str, PeerProxy] = {}
+        self.members = []
+        for name in names:
+            listen = None
+            if proxied:
+                listen = free_port()
+                self.proxies[name] = PeerProxy(peers[name], listen).start()
+            self.members.append(Member(root / name, peers[name], args, listen))
+
+    def proxy_of(self, member: Member) -> PeerProxy:
+        return self.proxies[member.data_dir.name]
 
     @property
     def endpoints(self) -> str:
@@ -83,6 +111,8 @@ class Cluster:
         return self
 
     def stop(self) -> None:
+        for proxy in self.proxies.values():
+            proxy.stop()
         for m in self.members:
             if m.proc is None or m.proc.poll() is not None:
                 continue
