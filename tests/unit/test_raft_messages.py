@@ -98,7 +98,7 @@ def test_foreign_versions_and_unknown_values_are_refused() -> None:
 def test_garbage_never_raises_anything_but_decode_error(buf: bytes) -> None:
     for kind in (Message, Entry, HardState, Snapshot, SnapshotMeta):
         with contextlib.suppress(DecodeError):
-            kind.from_bytes(buf)  # type: ignore[attr-defined]
+            kind.from_bytes(buf)
 
 
 def test_heartbeat_encoding_is_compact() -> None:
