@@ -28,7 +28,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
@@ -230,6 +230,9 @@ class JobSpec:
     setup_timeout: float = 60.0
     drain_seconds: float = 5.0
     rpc_timeout: float = 10.0
+    endpoints: tuple[str, ...] = ()
+    """When set (a cluster's members), `connect` opens `channels` channels to each of
+    these instead of `endpoint`, interleaved: channel i goes to endpoints[i % n]."""
 
     @property
     def hard_timeout(self) -> float:
@@ -285,14 +288,17 @@ class ClientRun:
 
     async def connect(self) -> None:
         """Open `spec.channels` channels, each its own TCP connection, and wait until
-        they are ready."""
+        they are ready; with `spec.endpoints`, that many to each endpoint, so that
+        picking channel `seq % channel_count` goes round robin over the endpoints."""
+        targets = self.spec.endpoints or (self.spec.endpoint,)
         for i in range(max(1, self.spec.channels)):
-            options = [
-                ("grpc.use_local_subchannel_pool", 1),  # a distinct connection each
-                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                ("bench.channel", i),
-            ]
-            self._channels.append(aio.insecure_channel(self.spec.endpoint, options=options))
+            for endpoint in targets:
+                options = [
+                    ("grpc.use_local_subchannel_pool", 1),  # a distinct connection each
+                    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                    ("bench.channel", i),
+                ]
+                self._channels.append(aio.insecure_channel(endpoint, options=options))
         await asyncio.wait_for(
             asyncio.gather(*(ch.channel_ready() for ch in self._channels)),
             timeout=self.spec.setup_timeout,
@@ -481,6 +487,10 @@ def uses_uvloop() -> bool:
     return True
 
 
+def _noop() -> None:
+    """A job that only makes the pool start a client process (see prestart)."""
+
+
 def run_job(spec: JobSpec) -> JobResult:
     """Entry point in a client process: run one job to its end."""
     if _worker_loop is None:
@@ -554,6 +564,12 @@ class ClientPool:
             max_workers=self.max_procs, mp_context=self._ctx, initializer=_init_worker
         )
 
+    def prestart(self) -> None:
+        """Start the client processes now (they start at the first job otherwise),
+        e.g. while servers are starting; does not wait for them."""
+        for _ in range(self.max_procs):
+            self._executor.submit(_noop)
+
     def worker_pids(self) -> list[int]:
         # The executor keeps its processes in a private dict; we need the pids to end
         # a stuck worker (a process we started) by pid.
@@ -583,6 +599,7 @@ class ClientPool:
         channels: int = 1,
         setup_timeout: float = 60.0,
         drain_seconds: float = 5.0,
+        endpoints: Sequence[str] = (),
     ) -> PoolResult:
         """Run `program` in `procs` client processes; merge what they measured."""
         procs = max(1, min(procs, self.max_procs))
@@ -604,6 +621,7 @@ class ClientPool:
                 channels=channels,
                 setup_timeout=setup_timeout,
                 drain_seconds=drain_seconds,
+                endpoints=tuple(endpoints),
             )
             for i in range(procs)
         ]

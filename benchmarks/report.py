@@ -15,7 +15,7 @@ from typing import Any, TextIO
 import grpc
 
 from benchmarks.loadgen import uses_uvloop
-from benchmarks.results import Measurement, Row
+from benchmarks.results import Measurement, Row, ops_text
 from benchmarks.servers import REPO_ROOT, etcd_version
 
 
@@ -131,7 +131,7 @@ def print_table(rows: list[Row], out: TextIO) -> None:
             cells = [row.suite if first else "", row.workload if first else "", kind]
             if isinstance(outcome, Measurement):
                 cells += [
-                    _num(outcome.ops_s, "{:,.0f}"),
+                    ops_text(outcome.ops_s),
                     _num(outcome.p50_ms),
                     _num(outcome.p99_ms),
                     _num(outcome.p999_ms),
@@ -192,8 +192,8 @@ def markdown_table(rows: list[Row]) -> str:
                 [
                     row.suite,
                     row.workload,
-                    _num(o.ops_s, "{:,.0f}") if o else "n/a",
-                    _num(e.ops_s, "{:,.0f}") if e else "n/a",
+                    ops_text(o.ops_s) if o else "n/a",
+                    ops_text(e.ops_s) if e else "n/a",
                     _num(row.ratio_ops),
                     _lat(o) if o else "n/a",
                     _lat(e) if e else "n/a",
@@ -279,7 +279,7 @@ def write_charts(rows: list[Row], out_dir: Path, title_suffix: str = "") -> list
                 if not isinstance(m, Measurement):
                     ax_ops.text(0, y, f" {kind}: n/a", va="center", fontsize=7, color="gray")
                 else:
-                    ax_ops.text(v, y, f" {v:,.0f}", va="center", fontsize=7)
+                    ax_ops.text(v, y, f" {ops_text(v)}", va="center", fontsize=7)
         for ax in (ax_ops, ax_lat):
             ax.set_yticks(ys)
             ax.set_yticklabels(labels, fontsize=8)

@@ -16,6 +16,12 @@ def _round(x: float | None, digits: int = 3) -> float | None:
     return None if x is None else round(x, digits)
 
 
+def ops_text(x: float) -> str:
+    """A row's figure for the table: whole numbers, with two decimals below 10 (the
+    failover row's 1/seconds)."""
+    return f"{x:,.0f}" if x >= 10 else f"{x:.2f}"
+
+
 @dataclass
 class Measurement:
     """What one workload measured against one server."""

@@ -3,8 +3,10 @@
 For each suite the runner starts a fresh pair of servers (ours and, when the etcd
 binary is there, etcd) in a temporary directory, runs every workload of the suite
 on ours and then on etcd (back to back, so both see the same machine conditions),
-and stops both servers by pid before the next suite. Placeholder suites start
-nothing. One progress line per workload start and end goes to stderr.
+and stops both servers by pid before the next suite. A suite listed in
+`CLUSTER_SIZE` (the cluster suite) gets a pair of clusters instead: that many
+members of each kind on loopback, all stopped by pid at the end. Placeholder
+suites start nothing. One progress line per workload start and end goes to stderr.
 """
 
 from __future__ import annotations
@@ -20,9 +22,17 @@ from typing import TextIO
 import grpc
 
 from benchmarks.loadgen import ClientPool, Unimplemented
-from benchmarks.results import NOT_IMPLEMENTED, Failed, Measurement, Outcome, Row, Unavailable
-from benchmarks.servers import BenchServer, EtcdServer, OursServer
-from benchmarks.workloads import SUITES, Budget, RunContext, Workload
+from benchmarks.results import (
+    NOT_IMPLEMENTED,
+    Failed,
+    Measurement,
+    Outcome,
+    Row,
+    Unavailable,
+    ops_text,
+)
+from benchmarks.servers import EtcdServer, OursServer, Target, etcd_cluster, ours_cluster
+from benchmarks.workloads import CLUSTER_SIZE, SUITES, Budget, RunContext, Workload
 
 KINDS = ("ours", "etcd")
 
@@ -40,7 +50,7 @@ class Progress:
 
 def describe(outcome: Outcome) -> str:
     if isinstance(outcome, Measurement):
-        parts = [f"{outcome.ops_s:,.0f} ops/s"]
+        parts = [f"{ops_text(outcome.ops_s)} ops/s"]
         if outcome.p50_ms is not None and outcome.p99_ms is not None:
             parts.append(f"p50 {outcome.p50_ms:.2f} ms, p99 {outcome.p99_ms:.2f} ms")
         parts.append(f"server cpu {outcome.cpu_s:.1f}s, client cpu {outcome.client_cpu_s:.1f}s")
@@ -90,24 +100,61 @@ class Runner:
         self.progress.line(f"{w.suite} | {w.name} | {note}")
         return Row(w.suite, w.name, Unavailable(note), Unavailable(note))
 
-    def _start(self, kind: str, tmp: Path, suite: str) -> BenchServer | Outcome:
+    def _make(self, kind: str, tmp: Path, suite: str) -> Target | Outcome:
         logs = self.options.out_dir / "logs"
-        server: BenchServer
+        size = CLUSTER_SIZE.get(suite, 1)
+        binary = self.options.etcd_binary
         if kind == "ours":
-            server = OursServer(tmp / "ours", logs / f"{suite}-ours.log")
-        elif self.options.etcd_binary:
-            server = EtcdServer(tmp / "etcd", logs / f"{suite}-etcd.log", self.options.etcd_binary)
-        else:
-            return Unavailable("etcd not installed")
+            if size > 1:
+                return ours_cluster(tmp / "ours", logs, f"{suite}-ours", size)
+            return OursServer(tmp / "ours", logs / f"{suite}-ours.log")
+        if binary:
+            if size > 1:
+                return etcd_cluster(tmp / "etcd", logs, f"{suite}-etcd", size, binary)
+            return EtcdServer(tmp / "etcd", logs / f"{suite}-etcd.log", binary)
+        return Unavailable("etcd not installed")
+
+    def _not_started(self, suite: str, kind: str, server: Target, e: Exception) -> Outcome:
+        tail = server.log_tail()
+        self.progress.line(f"{suite} | {kind} server did not start: {e}\n{tail}")
+        return Failed(f"server did not start: {e}")
+
+    def _launch(self, suite: str, kind: str, server: Target) -> Target | Outcome:
         self.progress.line(f"{suite} | starting {kind} server")
         try:
-            server.start()
+            server.launch()
         except Exception as e:  # recorded as the suite's failure
-            tail = server.log_tail()
-            self.progress.line(f"{suite} | {kind} server did not start: {e}\n{tail}")
-            return Failed(f"server did not start: {e}")
-        self.progress.line(f"{suite} | {kind} server ready on {server.endpoint} (pid {server.pid})")
+            return self._not_started(suite, kind, server, e)
         return server
+
+    def _await(self, suite: str, kind: str, server: Target) -> Target | Outcome:
+        try:
+            server.await_ready()
+        except Exception as e:  # recorded as the suite's failure
+            return self._not_started(suite, kind, server, e)
+        self.progress.line(f"{suite} | {kind} server ready on {server.describe()}")
+        return server
+
+    def _start_all(self, tmp: Path, suite: str, servers: dict[str, Target | Outcome]) -> None:
+        """Fill `servers` (kind -> server, or why there is none). One server at a
+        time; clusters are all launched first, then awaited, so their start-ups
+        (imports, the first election) overlap. A server is in `servers` from its
+        launch on, so the caller's cleanup stops it whatever happens next."""
+        overlap = CLUSTER_SIZE.get(suite, 1) > 1
+        for kind in KINDS:
+            made = self._make(kind, tmp, suite)
+            servers[kind] = made
+            if isinstance(made, Target):
+                launched = self._launch(suite, kind, made)
+                servers[kind] = launched
+                if not overlap and isinstance(launched, Target):
+                    servers[kind] = self._await(suite, kind, launched)
+        if overlap:
+            self.pool.prestart()
+            for kind in KINDS:
+                srv = servers[kind]
+                if isinstance(srv, Target):
+                    servers[kind] = self._await(suite, kind, srv)
 
     def _run_suite(self, suite: str, workloads: list[Workload]) -> None:
         if all(w.placeholder for w in workloads):
@@ -115,10 +162,9 @@ class Runner:
             return
         with tempfile.TemporaryDirectory(prefix=f"bench-{suite}-") as tmp_name:
             tmp = Path(tmp_name)
-            servers: dict[str, BenchServer | Outcome] = {}
+            servers: dict[str, Target | Outcome] = {}
             try:
-                for kind in KINDS:
-                    servers[kind] = self._start(kind, tmp, suite)
+                self._start_all(tmp, suite, servers)
                 contexts = {
                     kind: RunContext(
                         server=srv,
@@ -127,7 +173,7 @@ class Runner:
                         max_client_procs=self.options.client_procs,
                     )
                     for kind, srv in servers.items()
-                    if isinstance(srv, BenchServer)
+                    if isinstance(srv, Target)
                 }
                 for w in workloads:
                     if w.placeholder:
@@ -136,16 +182,16 @@ class Runner:
                     outcomes: dict[str, Outcome] = {}
                     for kind in KINDS:
                         srv = servers[kind]
-                        if not isinstance(srv, BenchServer):
+                        if not isinstance(srv, Target):
                             outcomes[kind] = srv
                         else:
                             outcomes[kind] = self._run_one(w, contexts[kind])
                     self.rows.append(Row(suite, w.name, outcomes["ours"], outcomes["etcd"]))
             finally:
                 for kind, srv in servers.items():
-                    if isinstance(srv, BenchServer):
+                    if isinstance(srv, Target):
                         srv.stop()
-                        self.progress.line(f"{suite} | {kind} server stopped (pid {srv.pid})")
+                        self.progress.line(f"{suite} | {kind} server stopped ({srv.pid_text()})")
 
     def _run_one(self, w: Workload, ctx: RunContext) -> Outcome:
         assert w.run is not None

@@ -18,7 +18,7 @@ import grpc
 
 from benchmarks.loadgen import ClientPool, ClientRun
 from benchmarks.results import Outcome
-from benchmarks.servers import BenchServer, ResourceMonitor
+from benchmarks.servers import ResourceMonitor, Target
 
 T = TypeVar("T")
 
@@ -55,10 +55,11 @@ class Budget:
 
 @dataclass
 class RunContext:
-    """One server, the client pool, the budget, and state shared by the workloads of a
-    suite on this server (e.g. lease ids granted by one workload, kept by the next)."""
+    """One server (or cluster), the client pool, the budget, and state shared by the
+    workloads of a suite on this server (e.g. lease ids granted by one workload, kept
+    by the next)."""
 
-    server: BenchServer
+    server: Target
     pool: ClientPool
     budget: Budget
     max_client_procs: int
@@ -76,9 +77,10 @@ class RunContext:
         return 1 if concurrency <= 1 else self.max_client_procs
 
     @contextmanager
-    def channel(self) -> Iterator[grpc.Channel]:
-        """A plain channel from the orchestrator, for preparing data."""
-        with grpc.insecure_channel(self.server.endpoint) as ch:
+    def channel(self, endpoint: str | None = None) -> Iterator[grpc.Channel]:
+        """A plain channel from the orchestrator, for preparing data (to `endpoint`,
+        by default the server's)."""
+        with grpc.insecure_channel(endpoint or self.server.endpoint) as ch:
             grpc.channel_ready_future(ch).result(timeout=self.budget.setup_timeout)
             yield ch
 
@@ -93,13 +95,17 @@ class RunContext:
         per_proc: list[dict[str, Any]] | None = None,
         channels: int = 1,
         warmup: bool = True,
+        endpoints: list[str] | None = None,
     ) -> tuple[Outcome, list[Any]]:
         """Run `program` in client processes against this server; returns the
-        outcome and what the programs handed back (their payloads, concatenated)."""
+        outcome and what the programs handed back (their payloads, concatenated).
+        `endpoints` (a cluster's members) spreads each process's channels over them,
+        `channels` to each; the server's CPU and RSS are those of all its `pids`."""
         result = self.pool.run(
             program,
             endpoint=self.server.endpoint,
-            monitor=ResourceMonitor(self.server.pid),
+            endpoints=endpoints or (),
+            monitor=ResourceMonitor(self.server.pids),
             procs=procs,
             concurrency=concurrency,
             max_ops=max_ops,

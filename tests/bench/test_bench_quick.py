@@ -154,3 +154,38 @@ def test_quick_cqs(tmp_path: Path) -> None:
     if shutil.which("etcd") is not None:
         for row in rows.values():
             assert row["etcd"] is not None and row["ratio_ops"] is not None, row
+
+
+def test_quick_cluster(tmp_path: Path) -> None:
+    """The cluster suite in quick mode: three members of each kind started together,
+    put spread and to the leader, a linearizable range on a follower, and the time
+    until a put succeeds after the leader is killed."""
+    json_path = tmp_path / "results.json"
+    done = run_harness(
+        ["--quick", "--suite", "cluster", "--json", str(json_path), "--out-dir", str(tmp_path)]
+    )
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-6000:]}"
+    rows = {r["workload"]: r for r in json.loads(json_path.read_text())["rows"]}
+    assert set(rows) == {
+        "3-member cluster put, 64 in flight",
+        "3-member cluster put to the leader, 64 in flight",
+        "3-member cluster linearizable range on a follower, 64 in flight",
+        "leader failover",
+    }
+    etcd_installed = shutil.which("etcd") is not None
+    for row in rows.values():
+        kinds = ("ours", "etcd") if etcd_installed else ("ours",)
+        for kind in kinds:
+            m = row[kind]
+            assert m is not None and m["ops_s"] > 0 and m["errors"] == 0, row
+            if row["workload"] == "leader failover":
+                assert m["ops"] == 1 and m["extra"]["failover_s"] > 0
+                # ops/s = 1 / seconds, rounded to 0.1 in the JSON
+                assert m["ops_s"] == pytest.approx(1 / m["extra"]["failover_s"], abs=0.06)
+            else:
+                assert m["p99_ms"] > 0
+        if not etcd_installed:
+            assert row["etcd"] is None
+    for kind in ("ours", "etcd") if etcd_installed else ("ours",):
+        for member in ("n1", "n2", "n3"):
+            assert (tmp_path / "logs" / f"cluster-{kind}-{member}.log").exists()
