@@ -124,6 +124,8 @@ class ClusterLog:
         self._results: OrderedDict[int, tuple[int, ApplyResult]] = OrderedDict()
         self._applied_waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._reads: dict[bytes, asyncio.Future[int]] = {}
+        self._next_round: asyncio.Future[int] | None = None
+        self._rounds: asyncio.Task[None] | None = None
         self._leader_known = asyncio.Event()
         self._busy = False
         self._again = False
@@ -324,7 +326,40 @@ class ClusterLog:
                 del self._waiters[index]
 
     async def linearize(self) -> None:
-        """Wait until this member's state reflects every write committed before now."""
+        """Wait until this member's state reflects every write committed before now.
+
+        Reads share ReadIndex rounds, as etcd's do: a read joins the next round,
+        which starts after it arrived, so one leader confirmation serves every
+        read that was waiting when the round began."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REQUEST_TIMEOUT
+        if self._next_round is None:
+            self._next_round = loop.create_future()
+        round_ = self._next_round
+        if self._rounds is None or self._rounds.done():
+            self._rounds = loop.create_task(self._read_rounds())
+        try:
+            index = await asyncio.wait_for(asyncio.shield(round_), REQUEST_TIMEOUT)
+        except TimeoutError:
+            raise RequestTimeout() from None
+        await self._applied(index, deadline)
+
+    async def _read_rounds(self) -> None:
+        """One ReadIndex at a time, each answering the reads gathered before it."""
+        while self._next_round is not None:
+            round_, self._next_round = self._next_round, None
+            try:
+                index = await self._read_index()
+            except EtcdError as e:
+                if not round_.done():
+                    round_.set_exception(e)
+                continue
+            if not round_.done():
+                round_.set_result(index)
+
+    async def _read_index(self) -> int:
+        """The leader's commit index, confirmed by a quorum (retried across
+        leader changes until REQUEST_TIMEOUT)."""
         core = self.core
         assert core is not None
         loop = asyncio.get_running_loop()
@@ -341,15 +376,13 @@ class ClusterLog:
                 continue
             self._kick()
             try:
-                index = await asyncio.wait_for(fut, min(1.0, max(0.0, deadline - loop.time())))
+                return await asyncio.wait_for(fut, min(1.0, max(0.0, deadline - loop.time())))
             except TimeoutError:
                 if loop.time() >= deadline:
                     raise RequestTimeout() from None
                 continue  # leadership moved: ask again
             finally:
                 self._reads.pop(ctx, None)
-            await self._applied(index, deadline)
-            return
 
     async def _applied(self, index: int, deadline: float) -> None:
         if self.state_machine.applied_index >= index:
