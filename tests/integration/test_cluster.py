@@ -59,6 +59,23 @@ def keys_with_prefix(member: Member, prefix: bytes, serializable: bool) -> set[b
     return {item.key for item in resp.kvs}
 
 
+def assert_one_history(members: list[Member], key: bytes, value: bytes, revision: int) -> None:
+    """Once every member has applied the write of `key`, all hold the same keys
+    and values at `revision` (equal HashKV)."""
+    hashes = set()
+    for m in members:
+        deadline = time.monotonic() + WAIT
+        while get(m, key, serializable=True) != value:
+            assert time.monotonic() < deadline, f"{m.data_dir.name} never applied {key!r}"
+            time.sleep(0.05)  # poll its local state, bounded
+        with grpc.insecure_channel(m.endpoint) as ch:
+            resp = rpc_pb2_grpc.MaintenanceStub(ch).HashKV(
+                rpc_pb2.HashKVRequest(revision=revision), timeout=5
+            )
+        hashes.add(resp.hash)
+    assert len(hashes) == 1, hashes
+
+
 def etcdctl(endpoints: str, *args: str) -> str:
     out = subprocess.run(
         ["etcdctl", f"--endpoints={endpoints}", *args],
@@ -207,20 +224,7 @@ def test_stopped_leader_is_replaced_and_rejoins_into_one_history(cluster: Cluste
     with ch:
         put = stub.Put(rpc_pb2.PutRequest(key=b"after", value=b"heal"), timeout=10)
     assert get(old, b"during") == b"split"
-    # one history: every member has the same keys at the same revision
-    for m in cluster.members:
-        deadline = time.monotonic() + WAIT
-        while get(m, b"after", serializable=True) != b"heal":
-            assert time.monotonic() < deadline
-            time.sleep(0.05)  # poll its local state, bounded
-    hashes = set()
-    for m in cluster.members:
-        with grpc.insecure_channel(m.endpoint) as ch:
-            resp = rpc_pb2_grpc.MaintenanceStub(ch).HashKV(
-                rpc_pb2.HashKVRequest(revision=put.header.revision), timeout=5
-            )
-        hashes.add(resp.hash)
-    assert len(hashes) == 1
+    assert_one_history(cluster.members, b"after", b"heal", put.header.revision)
 
 
 def test_a_fourth_member_joins_catches_up_and_is_removed(cluster: Cluster, tmp_path: Path) -> None:
@@ -400,19 +404,7 @@ def test_a_cut_off_leader_steps_down_and_commits_nothing(tmp_path: Path) -> None
         ch, stub = kv(new)
         with ch:
             final = stub.Put(rpc_pb2.PutRequest(key=b"healed", value=b"yes"), timeout=10)
-        for m in c.members:
-            deadline = time.monotonic() + WAIT
-            while get(m, b"healed", serializable=True) != b"yes":
-                assert time.monotonic() < deadline
-                time.sleep(0.05)  # poll its local state, bounded
-        hashes = set()
-        for m in c.members:
-            with grpc.insecure_channel(m.endpoint) as ch:
-                resp = rpc_pb2_grpc.MaintenanceStub(ch).HashKV(
-                    rpc_pb2.HashKVRequest(revision=final.header.revision), timeout=5
-                )
-            hashes.add(resp.hash)
-        assert len(hashes) == 1
+        assert_one_history(c.members, b"healed", b"yes", final.header.revision)
         assert len({get(m, b"split", serializable=True) for m in c.members}) == 1
     finally:
         c.stop()
