@@ -135,6 +135,7 @@ class ClusterLog:
         self._cycle: asyncio.Task[None] | None = None
         self.on_leader_change: Callable[[int], None] | None = None
         self.on_conf_change: Callable[[ConfChange], None] | None = None
+        self.on_restored: Callable[[], None] | None = None
         self._last_leader = 0
         self._warned_at = -10.0
 
@@ -581,4 +582,6 @@ class ClusterLog:
         await asyncio.get_running_loop().run_in_executor(self._writer, job)
         self.state_machine.restore_state(payload["state"])
         self._snapshot_index = meta.index
+        if self.on_restored is not None:
+            self.on_restored()  # node-local views rebuild from the new state
         log.info("raft installed snapshot index=%d term=%d", meta.index, meta.term)

@@ -278,6 +278,7 @@ class Server:
         self.grpc_server = server
         if isinstance(self.log, ClusterLog):
             self.expiry.forward_keep_alive = self._forward_keep_alive
+            self.log.on_restored = self._restored_from_leader
             await self.log.start()
         # What recovery loaded lives as long as the process: keep the collector
         # from scanning it again and again.
@@ -310,6 +311,13 @@ class Server:
         await asyncio.sleep(1.0)  # let the MemberRemove answer go out first
         if self.grpc_server is not None:
             await self.grpc_server.stop(SHUTDOWN_GRACE_SECONDS)
+
+    def _restored_from_leader(self) -> None:
+        """A snapshot from the leader replaced the state: rebuild what follows it."""
+        self._rearm_leases()
+        self.dispatcher.rebuild()
+        for name in list(self.state.cqs.queues):
+            self.cqs_waiters.notify(name)
 
     def _rearm_leases(self) -> None:
         """Every lease gets a full TTL from now (at start, and when this member
