@@ -2,16 +2,24 @@
 
 Map of the package (imports point down this list, never up):
 
-- `api/`      gRPC servicers, one module per etcd service: validate, call the core,
-              translate errors (`api/errors.py`), fill the response header. The only
-              package that imports grpc.
+- `api/`      gRPC servicers, one module per etcd service (and `cqs.py` for the
+              Change Queue Service): validate, call the core, translate errors
+              (`api/errors.py`), fill the response header. The only package of
+              queue_server that imports grpc.
 - `apply.py`  the state machine: log commands -> results, deterministic.
 - `kv/`       KV request semantics: stateless validation and the executor that runs
               Range/Put/DeleteRange/Txn/Compaction on the store.
 - `mvcc/`     revisions, per-key history, tombstones, compaction. No I/O.
+- `mq/`       the etcd-key queue: key grammar, replicated queue state, dispatcher.
+- `cqs/`      the Change Queue Service: per-queue SLA tree, replicated CQS state,
+              the etcd watch view of CQS queues.
+- `lease/`, `recipes/`, `watch/` leases and their clock, server-side lock and
+              election recipes, the watch hub.
 - `storage/`  the single-node durable log (WAL + group commit), snapshots, recovery.
 - `compactor.py` auto-compaction policy (etcd's --auto-compaction-*).
 - `errors.py` the etcd errors the core reports, with their wire code and text.
 - `config.py`, `cli.py` flags and ETCD_* variables -> one frozen Config.
-- `server.py` composition and lifecycle: start, serve, graceful stop.
+- `server.py` composition and lifecycle: start, serve, graceful stop; with
+              --initial-cluster it puts `cluster.node.ClusterLog` (Raft) where
+              the single-node log would be.
 """
