@@ -408,3 +408,38 @@ def test_a_cut_off_leader_steps_down_and_commits_nothing(tmp_path: Path) -> None
         assert len({get(m, b"split", serializable=True) for m in c.members}) == 1
     finally:
         c.stop()
+
+
+def test_a_lease_kept_alive_through_a_follower_outlives_its_ttl(cluster: Cluster) -> None:
+    leader = cluster.wait_leader()
+    follower = next(m for m in cluster.members if m is not leader)
+    with grpc.insecure_channel(leader.endpoint) as ch:
+        lease = rpc_pb2_grpc.LeaseStub(ch).LeaseGrant(rpc_pb2.LeaseGrantRequest(TTL=2), timeout=10)
+        rpc_pb2_grpc.KVStub(ch).Put(
+            rpc_pb2.PutRequest(key=b"leased", value=b"x", lease=lease.ID), timeout=10
+        )
+    stop = threading.Event()
+
+    def keepalives() -> Iterator[rpc_pb2.LeaseKeepAliveRequest]:
+        while not stop.is_set():
+            yield rpc_pb2.LeaseKeepAliveRequest(ID=lease.ID)
+            stop.wait(0.5)  # the client's keepalive period
+
+    with grpc.insecure_channel(follower.endpoint) as ch:
+        answers = rpc_pb2_grpc.LeaseStub(ch).LeaseKeepAlive(keepalives(), timeout=WAIT)
+        started = time.monotonic()
+        try:
+            for answer in answers:
+                assert answer.TTL > 0, "the lease expired while kept alive"
+                if time.monotonic() - started > 5:  # 2.5 TTLs
+                    break
+        finally:
+            stop.set()
+            answers.cancel()
+    # the leader's clock heard the follower's keepalives: the key is still there
+    assert get(leader, b"leased") == b"x"
+    # and once they stop, the leader revokes the lease
+    deadline = time.monotonic() + WAIT
+    while get(leader, b"leased") is not None:
+        assert time.monotonic() < deadline, "the lease never expired"
+        time.sleep(0.1)  # poll, bounded
