@@ -443,3 +443,38 @@ def test_a_lease_kept_alive_through_a_follower_outlives_its_ttl(cluster: Cluster
     while get(leader, b"leased") is not None:
         assert time.monotonic() < deadline, "the lease never expired"
         time.sleep(0.1)  # poll, bounded
+
+
+def test_a_watch_on_a_follower_has_no_gap_across_a_leader_change(cluster: Cluster) -> None:
+    leader = cluster.wait_leader()
+    watched = next(m for m in cluster.members if m is not leader)
+    done = threading.Event()
+    with grpc.insecure_channel(watched.endpoint) as ch:
+
+        def requests() -> Iterator[rpc_pb2.WatchRequest]:
+            create = rpc_pb2.WatchCreateRequest(key=b"load/", range_end=b"load0")
+            yield rpc_pb2.WatchRequest(create_request=create)
+            done.wait(WAIT * 2)
+
+        stream = rpc_pb2_grpc.WatchStub(ch).Watch(requests(), timeout=WAIT * 2)
+        assert next(stream).created
+        writer = Writer(cluster).start()
+        try:
+            writer.wait_for(20)
+            leader.kill()
+            cluster.wait_leader(exclude=leader)
+            writer.wait_for(len(writer.acked) + 20)
+        finally:
+            writer.stop()
+        acked = set(writer.acked)
+        seen: list[tuple[bytes, int]] = []
+        try:
+            while not acked <= {k for k, _ in seen}:
+                resp = next(stream)
+                seen += [(e.kv.key, e.kv.mod_revision) for e in resp.events]
+        finally:
+            done.set()
+            stream.cancel()
+    revisions = [r for _, r in seen]
+    assert revisions == sorted(revisions) and len(set(revisions)) == len(revisions)
+    assert writer.errors == []
