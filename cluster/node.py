@@ -511,7 +511,12 @@ class ClusterLog:
             return  # already in the restored state
         result: ApplyResult
         if e.kind is EntryKind.NORMAL and e.data:
-            result = sm.apply(e.index, internal_pb2.Command.FromString(e.data))
+            try:
+                result = sm.apply(e.index, internal_pb2.Command.FromString(e.data))
+            except Exception:  # a bug: report it and keep the member alive, as LocalLog does
+                log.exception("apply failed index=%d", e.index)
+                sm.applied_index = max(sm.applied_index, e.index)
+                result = RequestTimeout("etcdserver: apply failed; see the server log")
         else:
             sm.applied_index = e.index  # a leader's empty entry or a membership change
             result = internal_pb2.CqsSettleResponse()  # no result to give
