@@ -21,6 +21,7 @@ from google.protobuf.message import Message
 
 from etcdserverpb import internal_pb2, rpc_pb2
 from queue_server.alarms import AlarmTable
+from queue_server.cqs import commands as cqs_commands
 from queue_server.cqs.state import CqsState
 from queue_server.errors import EtcdError, NoSpace
 from queue_server.kv.executor import KVExecutor, is_read_only
@@ -158,16 +159,14 @@ class StateMachine:
 
     def cqs_ack_of(self, r: rpc_pb2.DeleteRangeRequest) -> internal_pb2.Command | None:
         """The CqsSettle a delete of one CQS delivery key `/q/{queue}/{seq}/{token}`
-        stands for (its caller adds the clock), or None for any other delete."""
+        stands for, stamped with the proposer's clock now, or None for any other
+        delete."""
         if r.range_end or not r.key.startswith(b"/q/"):
             return None
         qk = parse_queue_key(r.key)
         if qk is None or qk.kind != "message" or not self.cqs.is_cqs(qk.name):
             return None
-        command = internal_pb2.Command()
-        command.cqs_settle.queue = qk.name.decode()
-        command.cqs_settle.tokens.append(qk.key.decode(errors="replace"))
-        return command
+        return cqs_commands.settle(qk.name.decode(), [qk.key.decode(errors="replace")])
 
     def read_range(self, request: rpc_pb2.RangeRequest) -> rpc_pb2.RangeResponse:
         return self.kv.range(request)

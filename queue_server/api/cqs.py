@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
-import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -29,6 +27,7 @@ from grpc import aio
 from etcdserverpb import cqs_pb2, cqs_pb2_grpc, internal_pb2, rpc_pb2
 from queue_server.api.errors import abort, propose_checked
 from queue_server.apply import Proposer, StateMachine
+from queue_server.cqs import commands
 from queue_server.cqs.state import (
     DTO_QUEUE_PREFIX,
     MAX_DEPTH,
@@ -52,10 +51,6 @@ EXTEND_ITEMS = 10_000
 EXTEND_SECONDS = 10.0
 """ReEnqueue extends the original's visibility every EXTEND_SECONDS or
 EXTEND_ITEMS items, and at least twice per visibility timeout."""
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 class QueueWaiters:
@@ -163,22 +158,18 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "cqs: prefix_depth is negative")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0, request.wait_time_milliseconds) / 1000
-        command = internal_pb2.Command()
-        c = command.cqs_dequeue
-        c.queue = name
-        c.max = min(request.max_notifications, MAX_NOTIFICATIONS)
-        c.depth = request.prefix_depth
+        max_records = min(request.max_notifications, MAX_NOTIFICATIONS)
         while True:
             q = self.state.cqs.queues.get(name)
             if q is None:
                 await self._known(name, context)
                 raise AssertionError("unreachable")
-            now = now_ms()
+            now = commands.now_ms()
             next_visible = q.tree.earliest_visible()
             if len(q.tree) or (next_visible is not None and next_visible <= now):
-                c.now_ms = now
-                c.visible_until_ms = now + self.visibility_ms
-                c.token_base = secrets.token_hex(8) + "-"
+                command = commands.dequeue(
+                    name, max_records, request.prefix_depth, self.visibility_ms
+                )
                 result = await self._propose(command, context)
                 assert isinstance(result, internal_pb2.CqsDequeueResponse)
                 if result.notifications:
@@ -198,12 +189,7 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
     ) -> cqs_pb2.BatchAcknowledgeResponse:
         await self._known(request.queue_name, context)
         if request.ack_tokens:
-            command = internal_pb2.Command()
-            c = command.cqs_settle
-            c.queue = request.queue_name
-            c.tokens.extend(request.ack_tokens)
-            c.now_ms = now_ms()
-            await self._propose(command, context)
+            await self._propose(commands.settle(request.queue_name, request.ack_tokens), context)
         return cqs_pb2.BatchAcknowledgeResponse()
 
     # -- ReEnqueue ----------------------------------------------------------------
@@ -226,7 +212,7 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
             name, token = first.header.queue_name, first.header.ack_token
             await self._known(name, context)
             q = self.state.cqs.queues[name]
-            if q.tree.held(token, now_ms()) is None:
+            if q.tree.held(token, commands.now_ms()) is None:
                 await abort(context, TokenNotHeld())
             return await self._split(stream, name, token, context)
         finally:
@@ -248,7 +234,7 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
             c = command.cqs_enqueue
             c.queue, c.original = name, token
             c.items.extend(items)
-            now = now_ms()
+            now = commands.now_ms()
             c.now_ms = now
             since_extend += len(items)
             if not commit and (

@@ -7,8 +7,6 @@ etcd's status, fill the header.
 
 from __future__ import annotations
 
-import time
-
 from grpc import aio
 
 from etcdserverpb import internal_pb2, rpc_pb2, rpc_pb2_grpc
@@ -64,7 +62,6 @@ class KVService(rpc_pb2_grpc.KVServicer):
             await abort(context, e)
         settle = self.state.cqs_ack_of(request)
         if settle is not None:  # deleting a CQS delivery key acknowledges it
-            settle.cqs_settle.now_ms = int(time.time() * 1000)
             result = await propose_checked(self.log, settle, context)
             assert isinstance(result, internal_pb2.CqsSettleResponse)
             resp = rpc_pb2.DeleteRangeResponse(deleted=result.settled)

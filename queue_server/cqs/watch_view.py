@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
-import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +26,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from etcdserverpb import internal_pb2, kv_pb2, rpc_pb2
+from queue_server.cqs import commands
 from queue_server.cqs.state import CqsState
 from queue_server.mq import keys
 from queue_server.mvcc.store import MVCCStore
@@ -41,11 +40,6 @@ Spawn = Callable[[Coroutine[Any, Any, None]], object]
 
 def delivery_key(queue: str, seq: int, token: str) -> bytes:
     return keys.message_key(keys.SHORT, queue.encode(), seq, token.encode())
-
-
-def delivery_token(queue_key: keys.QueueKey) -> str:
-    """The ack token a delivery key names."""
-    return queue_key.key.decode(errors="replace")
 
 
 @dataclass(eq=False, slots=True)
@@ -97,11 +91,7 @@ class CqsWatchConsumers:
         if not consumers:
             self.by_queue.pop(c.queue, None)
         if c.held and c.queue in self.cqs.queues:
-            command = internal_pb2.Command()
-            command.cqs_settle.queue = c.queue
-            command.cqs_settle.tokens.extend(sorted(c.held))
-            command.cqs_settle.now_ms = int(time.time() * 1000)
-            command.cqs_settle.release = True
+            command = commands.settle(c.queue, sorted(c.held), release=True)
             self.spawn(self._propose_quietly(command))
         return c
 
@@ -136,7 +126,7 @@ class CqsWatchConsumers:
         consumers = self.by_queue.get(queue)
         if q is None or not consumers:
             return False
-        now = int(time.time() * 1000)
+        now = commands.now_ms()
         for c in consumers:
             c.held = {t for t in c.held if q.tree.held(t, now) is not None}
         c = max(consumers, key=lambda c: q.prefetch - len(c.held))
@@ -148,11 +138,7 @@ class CqsWatchConsumers:
             if next_visible is not None:
                 self._wake_at(queue, next_visible - now)
             return False
-        command = internal_pb2.Command()
-        d = command.cqs_dequeue
-        d.queue, d.max, d.depth, d.now_ms = queue, room, -1, now  # plain SLA order
-        d.visible_until_ms = now + self.visibility_ms
-        d.token_base = secrets.token_hex(8) + "-"
+        command = commands.dequeue(queue, room, commands.UNGROUPED, self.visibility_ms)
         try:
             result = await self.propose(command)
         except Exception as e:
