@@ -48,6 +48,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from google.protobuf import empty_pb2
 
 from cluster.raft.core import NotLeader, ProposalDropped, RaftCore, Ready, Role
 from cluster.raft.messages import (
@@ -82,6 +83,8 @@ KEEP_RESULTS = 4096
 
 _INDEX_TERM = struct.Struct("<QQ")
 _CONF = struct.Struct("<BQ")
+_NO_RESULT = empty_pb2.Empty()
+"""What a leader's empty entry or a membership change applies to."""
 
 
 class NoLeader(EtcdError):
@@ -137,6 +140,7 @@ class ClusterLog:
         self.on_conf_change: Callable[[ConfChange], None] | None = None
         self.on_restored: Callable[[], None] | None = None
         self._last_leader = 0
+        self._last_term = 0
         self._warned_at = -10.0
 
     # -- start and stop ---------------------------------------------------------------
@@ -519,7 +523,7 @@ class ClusterLog:
                 result = RequestTimeout("etcdserver: apply failed; see the server log")
         else:
             sm.applied_index = e.index  # a leader's empty entry or a membership change
-            result = internal_pb2.CqsSettleResponse()  # no result to give
+            result = _NO_RESULT
             if e.kind is EntryKind.CONF_CHANGE and self.on_conf_change is not None:
                 self.on_conf_change(ConfChange.from_bytes(e.data))
         self._results[e.index] = (e.term, result)
@@ -550,8 +554,8 @@ class ClusterLog:
         leader = core.leader_id
         if leader:
             self._leader_known.set()
-        if leader != self._last_leader:
-            self._last_leader = leader
+        if leader != self._last_leader or core.term != self._last_term:
+            self._last_leader, self._last_term = leader, core.term
             log.info("raft leader member=%x term=%d", leader, core.term)
             if self.on_leader_change is not None:
                 self.on_leader_change(leader)

@@ -377,6 +377,8 @@ class Server:
         return await self.log.forwarded(request)
 
     def _leader_changed(self, leader: int) -> None:
+        """A new leader or a new term: headers carry the term; a new leader re-arms
+        lease deadlines; members publish themselves once a leader exists."""
         assert isinstance(self.log, ClusterLog)
         if self.header is not None:
             self.header.raft_term = self.log.term
