@@ -43,6 +43,19 @@ latency measures the queue at load, not an ever-growing backlog)."""
 END_SUFFIX = b"~end"  # sorts after the zero-padded message numbers
 
 
+async def create_watch(call: Any, create: rpc_pb2.WatchCreateRequest) -> int:
+    """Create a watch on an open Watch stream and wait for `created`; its id."""
+    async with unimplemented_as("Watch", call):
+        await call.write(rpc_pb2.WatchRequest(create_request=create))
+        while True:
+            resp = await call.read()
+            if resp is STREAM_END or resp.canceled:
+                raise RuntimeError("watch stream ended during setup")
+            if resp.created:
+                return int(resp.watch_id)
+    raise AssertionError("unreachable")
+
+
 class RecipeConsumer:
     """One consumer of the etcd recipe: a prefix watch and a claim loop."""
 
@@ -58,14 +71,7 @@ class RecipeConsumer:
 
     async def open(self) -> None:
         create = rpc_pb2.WatchCreateRequest(key=self.prefix, range_end=prefix_end(self.prefix))
-        async with unimplemented_as("Watch", self.call):
-            await self.call.write(rpc_pb2.WatchRequest(create_request=create))
-            while True:
-                resp = await self.call.read()
-                if resp is STREAM_END or resp.canceled:
-                    raise RuntimeError("watch stream ended during setup")
-                if resp.created:
-                    return
+        await create_watch(self.call, create)
 
     async def _watch(self) -> None:
         while True:
@@ -140,14 +146,7 @@ class DeleteCounter:
             range_end=prefix_end(self.prefix),
             filters=[rpc_pb2.WatchCreateRequest.NOPUT],
         )
-        async with unimplemented_as("Watch", self.call):
-            await self.call.write(rpc_pb2.WatchRequest(create_request=create))
-            while True:
-                resp = await self.call.read()
-                if resp is STREAM_END or resp.canceled:
-                    raise RuntimeError("watch stream ended during setup")
-                if resp.created:
-                    return
+        await create_watch(self.call, create)
 
     async def count(self) -> None:
         while True:
@@ -336,18 +335,7 @@ class QueueMonitor:
             ),
             rpc_pb2.WatchCreateRequest(key=self.end_key),
         ]
-        ids: list[int] = []
-        async with unimplemented_as("Watch", self.call):
-            for create in creates:
-                await self.call.write(rpc_pb2.WatchRequest(create_request=create))
-                while True:
-                    resp = await self.call.read()
-                    if resp is STREAM_END or resp.canceled:
-                        raise RuntimeError("watch stream ended during setup")
-                    if resp.created:
-                        ids.append(resp.watch_id)
-                        break
-        self._acks_id, self._end_id = ids
+        self._acks_id, self._end_id = [await create_watch(self.call, c) for c in creates]
 
     async def follow(self) -> None:
         while True:
@@ -396,15 +384,7 @@ class NativeConsumer:
         self.wake = asyncio.Event()
 
     async def open(self) -> None:
-        create = rpc_pb2.WatchCreateRequest(key=self.key)
-        async with unimplemented_as("Watch", self.call):
-            await self.call.write(rpc_pb2.WatchRequest(create_request=create))
-            while True:
-                resp = await self.call.read()
-                if resp is STREAM_END or resp.canceled:
-                    raise RuntimeError("consumer watch ended during setup")
-                if resp.created:
-                    return
+        await create_watch(self.call, rpc_pb2.WatchCreateRequest(key=self.key))
 
     async def _watch(self) -> None:
         run = self.run
