@@ -37,12 +37,14 @@ class Command(_message.Message):
     def __init__(self, put: _Optional[_Union[_rpc_pb2.PutRequest, _Mapping]] = ..., delete_range: _Optional[_Union[_rpc_pb2.DeleteRangeRequest, _Mapping]] = ..., txn: _Optional[_Union[_rpc_pb2.TxnRequest, _Mapping]] = ..., compaction: _Optional[_Union[_rpc_pb2.CompactionRequest, _Mapping]] = ..., lease_grant: _Optional[_Union[_rpc_pb2.LeaseGrantRequest, _Mapping]] = ..., lease_revoke: _Optional[_Union[_rpc_pb2.LeaseRevokeRequest, _Mapping]] = ..., alarm: _Optional[_Union[_rpc_pb2.AlarmRequest, _Mapping]] = ..., queue_requeue: _Optional[_Union[QueueRequeue, _Mapping]] = ..., cqs_dequeue: _Optional[_Union[CqsDequeue, _Mapping]] = ..., cqs_settle: _Optional[_Union[CqsSettle, _Mapping]] = ..., cqs_enqueue: _Optional[_Union[CqsEnqueue, _Mapping]] = ..., member_attributes: _Optional[_Union[MemberAttributes, _Mapping]] = ...) -> None: ...
 
 class QueueRequeue(_message.Message):
-    __slots__ = ("queue", "idx")
+    __slots__ = ("queue", "idx", "consumer")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     IDX_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_FIELD_NUMBER: _ClassVar[int]
     queue: bytes
     idx: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, queue: _Optional[bytes] = ..., idx: _Optional[_Iterable[int]] = ...) -> None: ...
+    consumer: bytes
+    def __init__(self, queue: _Optional[bytes] = ..., idx: _Optional[_Iterable[int]] = ..., consumer: _Optional[bytes] = ...) -> None: ...
 
 class QueueRequeueResponse(_message.Message):
     __slots__ = ("dead_lettered",)

@@ -82,6 +82,7 @@ class StateMachine:
             self.lessor.exists,
             self.queues.check_put,
             self.queues.rewrite_put,
+            self.queues.rewrite_delete,
             self.queues.begin_checks,
             self._cqs_view,
         )
@@ -106,6 +107,11 @@ class StateMachine:
         if index <= self.applied_index:
             raise AssertionError(f"log index {index} applied twice (at {self.applied_index})")
         self.applied_index = index
+        result = self._apply(command)
+        self.queues.after_apply(self.store)
+        return result
+
+    def _apply(self, command: internal_pb2.Command) -> ApplyResult:
         kind = command.WhichOneof("op")
         try:
             if self.alarms.no_space and _needs_space(kind, command):
@@ -124,7 +130,7 @@ class StateMachine:
                 return self._lease_revoke(command.lease_revoke)
             if kind == "queue_requeue":
                 r = command.queue_requeue
-                dead = self.queues.requeue(self.store, r.queue, list(r.idx))
+                dead = self.queues.requeue(r.queue, r.consumer, list(r.idx))
                 return internal_pb2.QueueRequeueResponse(dead_lettered=dead)
             if kind == "cqs_dequeue":
                 return self.cqs.dequeue(command.cqs_dequeue)
@@ -142,7 +148,7 @@ class StateMachine:
                 return resp
         except EtcdError as e:
             return e
-        raise AssertionError(f"unknown command {kind!r} at index {index}")
+        raise AssertionError(f"unknown command {kind!r} at index {self.applied_index}")
 
     def _lease_grant(self, r: rpc_pb2.LeaseGrantRequest) -> rpc_pb2.LeaseGrantResponse:
         lease = self.lessor.grant(r.ID, r.TTL)
@@ -203,7 +209,12 @@ class StateMachine:
 
 
 def _needs_space(kind: str | None, command: internal_pb2.Command) -> bool:
-    """What etcd's capped applier refuses under a NOSPACE alarm."""
-    if kind in ("put", "lease_grant", "cqs_enqueue"):
+    """What etcd's capped applier refuses under a NOSPACE alarm. A queue
+    consumer's registry key is let through: consuming (and acknowledging) is how
+    a full queue drains."""
+    if kind == "put":
+        qk = parse_queue_key(command.put.key) if command.put.key.startswith(b"/q") else None
+        return qk is None or qk.kind != "consume"
+    if kind in ("lease_grant", "cqs_enqueue"):
         return True
     return kind == "txn" and not is_read_only(command.txn)

@@ -49,6 +49,7 @@ from queue_server.errors import EtcdError, LeaseNotFound
 from queue_server.lease.expiry import ExpiryClock
 from queue_server.lease.ids import LeaseIdGenerator
 from queue_server.mq.dispatcher import Dispatcher
+from queue_server.mq.session import NodeSession
 from queue_server.mvcc.store import Event
 from queue_server.quota import QuotaGuard
 from queue_server.recipes.local_client import LocalClient
@@ -91,6 +92,7 @@ class Server:
         self.log: LocalLog | ClusterLog | None = None
         self.header: HeaderFiller | None = None
         self.peers: PeerClients | None = None
+        self.session: NodeSession | None = None
         self.peer_server: aio.Server | None = None
         self._published = False
         self.grpc_server: aio.Server | None = None
@@ -219,6 +221,10 @@ class Server:
         rpc_pb2_grpc.add_ClusterServicer_to_server(ClusterService(membership, header), services)
         self.watch_hub = WatchHub(lambda: self.state.store, cfg.max_request_bytes)
         lessor = self.state.lessor
+        if isinstance(self.log, ClusterLog):
+            self.session = NodeSession(
+                self.log.propose, lessor, self.expiry, lambda: ids.next(lessor.leases)
+            )
         self.dispatcher = Dispatcher(
             lambda: self.state.store,
             self.state.queues,
@@ -226,6 +232,8 @@ class Server:
             self.log.propose,
             self._spawn,
             new_lease_id=lambda: ids.next(lessor.leases),
+            session=self.session.lease if self.session is not None else None,
+            dispatching_node=self._dispatching_node if self.session is not None else None,
         )
         self.dispatcher.rebuild()
         self.watch_hub.queue_consumers = self.dispatcher
@@ -292,6 +300,8 @@ class Server:
         )
         self._tasks.append(loop.create_task(self.expiry.run(self._revoke_expired)))
         self._tasks.append(loop.create_task(self._tick_dispatcher()))
+        if self.session is not None:
+            self._tasks.append(loop.create_task(self.session.run()))
         log.info(
             "ready to serve client requests name=%s listen=%s data_dir=%s revision=%d term=%d",
             cfg.name,
@@ -384,6 +394,7 @@ class Server:
             self.header.raft_term = self.log.term
         if leader == self.log.member_id:
             self._rearm_leases()
+            self.dispatcher.claim_registries()
         if leader:
             self._spawn(self._publish_attributes())
 
@@ -405,6 +416,13 @@ class Server:
         except EtcdError as e:
             self._published = False
             log.warning("publishing member attributes failed: %s", e)
+
+    def _dispatching_node(self) -> bytes:
+        """The member whose name `/q/{name}` shows: the leader, which orders the
+        assignments of messages to consumers (this member while none is known)."""
+        assert isinstance(self.log, ClusterLog)
+        member = self.state.members.get(self.log.leader_id)
+        return (member[0] if member is not None else self.config.name).encode()
 
     def _forward_keep_alive(self, lease_id: int) -> None:
         """A keepalive on a follower also refreshes the leader's clock."""

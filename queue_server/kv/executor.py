@@ -66,6 +66,10 @@ def _same_key(key: bytes, value: bytes) -> bytes | None:
     return key
 
 
+def _same_deleted_key(key: bytes) -> bytes:
+    return key
+
+
 def _nothing() -> None:
     return None
 
@@ -81,6 +85,8 @@ class KVExecutor:
     consumed the put (a CQS publication writes no key); `begin_checks()` is called
     before the puts of one request are checked, so a check can count across
     them (a Txn producing several messages into a queue near its max_depth);
+    `rewrite_delete(key)` names the key a single-key delete really removes (a
+    queue's handed-over delivery key stands for its message key);
     `range_view(key, end, revision)` adds keys that live outside the store to a
     current Range (the CQS notifications).
     """
@@ -91,6 +97,7 @@ class KVExecutor:
         lease_exists: LeaseExists = _no_leases,
         check_put: Callable[[bytes, bytes], None] = _any_put,
         rewrite_put: Callable[[bytes, bytes], bytes | None] = _same_key,
+        rewrite_delete: Callable[[bytes], bytes] = _same_deleted_key,
         begin_checks: Callable[[], None] = _nothing,
         range_view: Callable[[bytes, bytes | None, int], list[KeyValue]] | None = None,
     ) -> None:
@@ -98,6 +105,7 @@ class KVExecutor:
         self.lease_exists = lease_exists
         self.check_put_hook = check_put
         self.rewrite_put = rewrite_put
+        self.rewrite_delete = rewrite_delete
         self.begin_checks = begin_checks
         self.range_view = range_view
 
@@ -216,7 +224,10 @@ class KVExecutor:
     def _delete_range(
         self, r: rpc_pb2.DeleteRangeRequest, txn: WriteTxn
     ) -> rpc_pb2.DeleteRangeResponse:
-        events = txn.delete_range(r.key, range_end_of(r.range_end))
+        if r.range_end:
+            events = txn.delete_range(r.key, range_end_of(r.range_end))
+        else:
+            events = txn.delete_range(self.rewrite_delete(r.key), None)
         resp = rpc_pb2.DeleteRangeResponse(deleted=len(events))
         resp.header.revision = txn.read_revision
         if r.prev_kv:

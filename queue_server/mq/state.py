@@ -6,22 +6,33 @@ this module adds lives in the state machine, so it is deterministic:
 
 - producing: inside apply, a put on `/q/{name}/p/{key}` becomes a put of the next
   message key of the queue (`rewrite_put`), refused if the queue is at max_depth;
+  a delete of a handed-over delivery key `/q/{name}/c/{uuid}/{idx}/{key}`
+  becomes a delete of its message key (`rewrite_delete`);
 - per queue: the next idx (never reused, so an old delivery key can never ack a
-  newer message), the depth (kept in step with committed events), the settings
-  parsed from `/q/{name}/config`, and the delivery attempts of messages that came
-  back unacknowledged;
-- `requeue`: count a failed delivery; at max_deliveries, move the message to the
-  dead-letter queue (delete here, produce there) in the same revision.
+  newer message), the depth, the settings parsed from `/q/{name}/config`, the
+  delivery attempts of messages that came back unacknowledged;
+- the consumers, from their registry keys `/q/{name}/c/{uuid}` (value: the node
+  hosting the watch), and which consumer holds which message. Messages are
+  handed out in apply, so every replica agrees on who holds what, and a
+  consumer's node (any member of a cluster) delivers what it is assigned. A
+  consumer whose registry key goes (its watch ended, or its node's session
+  lease expired) gives its messages back, counted as a failed delivery;
+- `requeue`: a consumer gives messages back (ack deadline, a revoked delivery
+  lease); at max_deliveries a message moves to the dead-letter queue in a
+  revision of its own at the end of the command.
 
-Which consumer holds which message is not here: that is node-local
-(`dispatcher.py`); after a restart every message is pending again.
+How deliveries reach a watch stream, ack deadlines and stuck streams are the
+node's (`dispatcher.py`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from sortedcontainers import SortedDict
 
 from queue_server.cqs.state import CqsState, parse_cqs_config
 from queue_server.errors import EtcdError
@@ -87,9 +98,19 @@ class QueueSettings:
         return s
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, slots=True)
+class ConsumerSlot:
+    """A consumer as the state machine knows it: its registry key's value (the
+    node hosting its watch) and the messages assigned to it (idx -> key)."""
+
+    consumer_id: bytes
+    node: bytes
+    held: dict[int, bytes] = field(default_factory=dict)
+
+
+@dataclass(eq=False, slots=True)
 class QueueInfo:
-    """Replicated facts about one queue."""
+    """Replicated facts about one queue, including who holds which message."""
 
     name: bytes
     spelling: bytes
@@ -97,19 +118,37 @@ class QueueInfo:
     depth: int = 0
     settings: QueueSettings = field(default_factory=QueueSettings)
     attempts: dict[int, int] = field(default_factory=dict)
+    pending: SortedDict = field(default_factory=SortedDict)  # idx -> message key
+    holder: dict[int, ConsumerSlot] = field(default_factory=dict)
+    consumers: dict[bytes, ConsumerSlot] = field(default_factory=dict)  # in join order
+    next_consumer: int = 0
 
     def dead_letter_name(self) -> bytes:
         return self.settings.dead_letter or self.name + b".dead"
 
 
+Deliver = Callable[[QueueInfo, ConsumerSlot, list[tuple[int, bytes]]], None]
+
+
 class QueueState:
-    """All queues of the state machine."""
+    """All queues of the state machine, and the assignment of their messages.
+
+    Assignment is part of apply: after a command, every queue whose messages,
+    consumers or settings changed hands its pending messages out (oldest first,
+    round-robin over consumers in join order, at most `prefetch` held each), and
+    `on_deliver(queue, consumer, [(idx, key)])` tells the node. Every replica
+    computes the same assignment; the node hosting the consumer's watch delivers.
+    """
 
     def __init__(self, cqs: CqsState | None = None) -> None:
         self.queues: dict[bytes, QueueInfo] = {}
         self.cqs = cqs if cqs is not None else CqsState()
+        self.on_deliver: Deliver | None = None
         # produces already checked in the request being checked, per queue
         self._checked_produces: dict[bytes, int] = {}
+        # queues to hand out after this command; messages to dead-letter first
+        self._dirty: set[QueueInfo] = set()
+        self._to_dead: list[tuple[QueueInfo, int]] = []
 
     def begin_checks(self) -> None:
         """A new request's puts are about to be checked."""
@@ -164,8 +203,21 @@ class QueueState:
         q.next_idx += 1
         return keys.message_key(q.spelling, q.name, idx, qk.key)
 
+    def rewrite_delete(self, key: bytes) -> bytes:
+        """The key a single-key delete really removes: a handed-over delivery key
+        `/q/{name}/c/{uuid}/{idx}/{key}` acknowledges its message key."""
+        if not key.startswith((keys.SHORT, keys.LONG)):
+            return key
+        qk = keys.parse(key)
+        if qk is None or qk.kind != "delivery":
+            return key
+        q = self.queues.get(qk.name)
+        spelling = q.spelling if q is not None else qk.spelling
+        return keys.message_key(spelling, qk.name, qk.idx, qk.key)
+
     def follow(self, revision: int, events: list[Event]) -> None:
-        """Store hook: depth and settings in step with committed changes."""
+        """Store hook: depth, settings, consumers and pending messages in step
+        with committed changes."""
         for e in events:
             key = e.kv.key
             if not key.startswith((keys.SHORT, keys.LONG)):
@@ -178,57 +230,170 @@ class QueueState:
                 if e.is_delete:
                     q.depth -= 1
                     q.attempts.pop(qk.idx, None)
+                    if q.pending.pop(qk.idx, None) is None:
+                        slot = q.holder.pop(qk.idx, None)
+                        if slot is not None:
+                            slot.held.pop(qk.idx, None)
+                            self._dirty.add(q)  # room in its prefetch window
                 elif e.prev_kv is None:
                     q.depth += 1
                     q.next_idx = max(q.next_idx, qk.idx + 1)
+                    q.pending[qk.idx] = key
+                    self._dirty.add(q)
+            elif qk.kind == "consume":
+                if not self.cqs.is_cqs(qk.name):
+                    self._follow_consumer(self.queue(qk.name, qk.spelling), qk.consumer, e)
             elif qk.kind == "config":
                 q = self.queue(qk.name, qk.spelling)
                 q.settings = QueueSettings() if e.is_delete else QueueSettings.parse(e.kv.value)
+                self._dirty.add(q)
             elif qk.kind == "registry" and not e.is_delete:
                 self.queue(qk.name, qk.spelling)
 
+    def _follow_consumer(self, q: QueueInfo, consumer_id: bytes, e: Event) -> None:
+        """A consumer registry key changed: the consumer joins, moves to another
+        node, or leaves; what it held comes back as a failed delivery."""
+        slot = q.consumers.get(consumer_id)
+        if e.is_delete:
+            if slot is not None:
+                del q.consumers[consumer_id]
+                self._take_back(q, slot, list(slot.held))
+        elif slot is None:
+            q.consumers[consumer_id] = ConsumerSlot(consumer_id, e.kv.value)
+        elif slot.node != e.kv.value:
+            slot.node = e.kv.value
+            self._take_back(q, slot, list(slot.held))
+        self._dirty.add(q)
+
+    def _take_back(self, q: QueueInfo, slot: ConsumerSlot, idxs: list[int]) -> int:
+        """Count a failed delivery of each message `slot` still holds; it is
+        pending again, or dead-lettered after this command at max_deliveries."""
+        n = 0
+        for idx in idxs:
+            key = slot.held.pop(idx, None)
+            if key is None:
+                continue
+            del q.holder[idx]
+            n += 1
+            attempts = q.attempts.get(idx, 0) + 1
+            q.attempts[idx] = attempts
+            if q.settings.max_deliveries and attempts >= q.settings.max_deliveries:
+                self._to_dead.append((q, idx))
+            q.pending[idx] = key
+        if n:
+            self._dirty.add(q)
+        return n
+
     # -- requeue ----------------------------------------------------------------
 
-    def requeue(self, store: MVCCStore, name: bytes, idxs: list[int]) -> list[int]:
-        """Count a failed delivery for each message still queued; returns the idx of
-        those moved to the dead-letter queue (all in one revision)."""
+    def requeue(self, name: bytes, consumer_id: bytes, idxs: list[int]) -> list[int]:
+        """Messages given back by their consumer (ack deadline passed, a delivery
+        lease revoked, a stream that went away while another watch of the same
+        consumer stays): each counts a failed delivery. Returns the idx of those
+        that will move to the dead-letter queue (in `after_apply`)."""
         q = self.queues.get(name)
         if q is None:
             return []
-        moved: list[tuple[int, bytes, bytes, int]] = []
-        for idx in idxs:
-            prefix = keys.message_key(q.spelling, q.name, idx, b"")
-            found = store.range(prefix, prefix[:-1] + b"0").kvs  # "/" + 1 == "0"
-            if not found:
+        first = len(self._to_dead)
+        if consumer_id:
+            slot = q.consumers.get(consumer_id)
+            if slot is not None:
+                self._take_back(q, slot, idxs)
+        else:  # an entry from before consumers were replicated: any holder
+            for idx in idxs:
+                slot = q.holder.get(idx)
+                if slot is not None:
+                    self._take_back(q, slot, [idx])
+        return [idx for _q, idx in self._to_dead[first:]]
+
+    def after_apply(self, store: MVCCStore) -> None:
+        """End of a command: dead-letter what reached max_deliveries (one more
+        revision), then hand pending messages out."""
+        if self._to_dead:
+            self._dead_letter(store)
+        if self._dirty:
+            dirty = sorted(self._dirty, key=lambda q: q.name)  # the same order everywhere
+            self._dirty.clear()
+            for q in dirty:
+                self._assign(q)
+
+    def _dead_letter(self, store: MVCCStore) -> None:
+        moves, self._to_dead = self._to_dead, []
+        with store.write() as txn:
+            for q, idx in moves:
+                key = q.pending.get(idx)
+                if key is None:
+                    continue  # acknowledged or moved in the meantime
+                kv = store.get(key)
+                if kv is None:  # pragma: no cover - pending keys exist
+                    continue
+                dead = self.queue(q.dead_letter_name(), q.spelling)
+                txn.delete_range(key, None)
+                new_idx = dead.next_idx
+                dead.next_idx += 1
+                suffix = key.rsplit(b"/", 1)[1]
+                txn.put(
+                    keys.message_key(dead.spelling, dead.name, new_idx, suffix), kv.value, kv.lease
+                )
+
+    def _assign(self, q: QueueInfo) -> None:
+        """Hand pending messages out, oldest first, round-robin over consumers
+        with room in their prefetch window."""
+        pending = q.pending
+        if not pending or not q.consumers:
+            return
+        prefetch = q.settings.prefetch
+        slots = list(q.consumers.values())
+        n = len(slots)
+        without_room = 0
+        batches: dict[ConsumerSlot, list[tuple[int, bytes]]] = {}
+        while pending and without_room < n:
+            slot = slots[q.next_consumer % n]
+            q.next_consumer += 1
+            if len(slot.held) >= prefetch:
+                without_room += 1
                 continue
-            kv = found[0]
-            n = q.attempts.get(idx, 0) + 1
-            q.attempts[idx] = n
-            if q.settings.max_deliveries and n >= q.settings.max_deliveries:
-                moved.append((idx, kv.key, kv.value, kv.lease))
-        if moved:
-            dead = self.queue(q.dead_letter_name(), q.spelling)
-            with store.write() as txn:
-                for _idx, key, value, lease in moved:
-                    txn.delete_range(key, None)
-                    suffix = key.rsplit(b"/", 1)[1]
-                    new_idx = dead.next_idx
-                    dead.next_idx += 1
-                    txn.put(
-                        keys.message_key(dead.spelling, dead.name, new_idx, suffix), value, lease
-                    )
-        return [m[0] for m in moved]
+            without_room = 0
+            idx, key = pending.popitem(0)
+            slot.held[idx] = key
+            q.holder[idx] = slot
+            batches.setdefault(slot, []).append((idx, key))
+        deliver = self.on_deliver
+        if deliver is not None:
+            for slot, items in batches.items():
+                deliver(q, slot, items)
 
     # -- snapshots --------------------------------------------------------------
 
-    def export_state(self) -> list[tuple[bytes, bytes, int, dict[int, int]]]:
-        return [(q.name, q.spelling, q.next_idx, dict(q.attempts)) for q in self.queues.values()]
+    def export_state(self) -> list[tuple[Any, ...]]:
+        return [
+            (
+                q.name,
+                q.spelling,
+                q.next_idx,
+                dict(q.attempts),
+                {
+                    "next_consumer": q.next_consumer,
+                    "consumers": [
+                        (s.consumer_id, s.node, list(s.held)) for s in q.consumers.values()
+                    ],
+                },
+            )
+            for q in self.queues.values()
+        ]
 
     def restore_state(self, state: list[Any], store: MVCCStore) -> None:
-        """Counters and attempts from the snapshot; depth and settings from the store."""
+        """Counters, consumers and assignments from the snapshot; depth, settings
+        and message keys from the store."""
         self.queues = {}
-        for name, spelling, next_idx, attempts in state:
-            self.queues[name] = QueueInfo(name, spelling, next_idx, attempts=dict(attempts))
+        self._dirty.clear()
+        self._to_dead = []
+        held: dict[bytes, list[tuple[bytes, bytes, list[int]]]] = {}
+        for name, spelling, next_idx, attempts, *rest in state:
+            q = self.queues[name] = QueueInfo(name, spelling, next_idx, attempts=dict(attempts))
+            if rest:
+                q.next_consumer = rest[0]["next_consumer"]
+                held[name] = rest[0]["consumers"]
         for spelling in (keys.SHORT, keys.LONG):
             end = spelling[:-1] + b"0"  # every key under the spelling
             for kv in store.range(spelling, end).kvs:
@@ -236,6 +401,17 @@ class QueueState:
                 if qk is None:
                     continue
                 if qk.kind == "message":
-                    self.queue(qk.name, qk.spelling).depth += 1
+                    q = self.queue(qk.name, qk.spelling)
+                    q.depth += 1
+                    q.pending[qk.idx] = kv.key
                 elif qk.kind == "config":
                     self.queue(qk.name, qk.spelling).settings = QueueSettings.parse(kv.value)
+        for name, consumers in held.items():
+            q = self.queues[name]
+            for consumer_id, node, idxs in consumers:
+                slot = q.consumers[consumer_id] = ConsumerSlot(consumer_id, node)
+                for idx in idxs:
+                    key = q.pending.pop(idx, None)
+                    if key is not None:
+                        slot.held[idx] = key
+                        q.holder[idx] = slot
