@@ -7,7 +7,8 @@
 # Every flag can also be given as an ETCD_* variable (ETCD_NAME, ETCD_INITIAL_CLUSTER...).
 #
 # Pinned to Debian 12 (bookworm): its etcd-client is etcdctl 3.4, the version the
-# project's tests run against; the healthcheck in docker-compose.yml uses it.
+# project's tests run against, there for operators (`docker compose exec n1 etcdctl
+# ...`). The healthcheck in docker-compose.yml asks /health with Python's urllib.
 FROM python:3.11-slim-bookworm
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -36,8 +37,9 @@ RUN useradd --system --home-dir /var/lib/queue-server --shell /usr/sbin/nologin 
 USER queue
 WORKDIR /var/lib/queue-server
 
-# 2379: clients (etcd v3 gRPC API); 2380: the other members (Raft).
-EXPOSE 2379 2380
+# 2379: clients (etcd v3 gRPC API); 2380: the other members (Raft); 2381: /health
+# when --listen-metrics-urls asks for it.
+EXPOSE 2379 2380 2381
 VOLUME ["/var/lib/queue-server"]
 
 ENTRYPOINT ["queue-server"]

@@ -19,6 +19,7 @@ Map of the package (imports point down this list, never up):
 - `compactor.py` auto-compaction policy (etcd's --auto-compaction-*).
 - `errors.py` the etcd errors the core reports, with their wire code and text.
 - `config.py`, `cli.py` flags and ETCD_* variables -> one frozen Config.
+- `http_health.py` the --listen-metrics-urls listener: etcd's /health, /readyz, /livez.
 - `server.py` composition and lifecycle: start, serve, graceful stop; with
               --initial-cluster it puts `cluster.node.ClusterLog` (Raft) where
               the single-node log would be.

@@ -51,6 +51,7 @@ class Config:
     listen_peer_urls: tuple[str, ...] = ("http://localhost:2380",)
     initial_cluster: tuple[tuple[str, tuple[str, ...]], ...] = ()
     initial_cluster_state: str = "new"
+    listen_metrics_urls: tuple[str, ...] = ()
 
     @property
     def clustered(self) -> bool:
@@ -60,6 +61,10 @@ class Config:
     def listen_addresses(self) -> list[str]:
         """host:port pairs to bind, from --listen-client-urls."""
         return [url_to_address(u) for u in self.listen_client_urls]
+
+    def metrics_addresses(self) -> list[tuple[str, int]]:
+        """(host, port) pairs to bind, from --listen-metrics-urls."""
+        return [metrics_address(u) for u in self.listen_metrics_urls]
 
 
 class ConfigError(ValueError):
@@ -78,6 +83,16 @@ def url_to_address(url: str) -> str:
     if ":" in host:
         host = f"[{host}]"
     return f"{host}:{parts.port}"
+
+
+def metrics_address(url: str) -> tuple[str, int]:
+    """`http://host:port` as (host, port); the health listener speaks plain HTTP only."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ConfigError(f"invalid metrics URL {url!r}: expected http://host:port")
+    if parts.port is None:
+        raise ConfigError(f"metrics URL {url!r} has no port")
+    return parts.hostname, parts.port
 
 
 def parse_duration(text: str) -> float:
@@ -119,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--advertise-client-urls",
         default="http://localhost:2379",
         help="comma-separated client URLs to advertise to clients",
+    )
+    add(
+        "--listen-metrics-urls",
+        default="",
+        help="comma-separated http:// URLs to serve /health, /readyz and /livez on",
     )
     add(
         "--initial-advertise-peer-urls",
@@ -272,6 +292,7 @@ def parse_config(
             or ",".join(f"{a.name}={u}" for u in _csv(a.initial_advertise_peer_urls))
         ),
         initial_cluster_state=a.initial_cluster_state,
+        listen_metrics_urls=_csv(a.listen_metrics_urls),
     )
     names = [name for name, _ in config.initial_cluster]
     if config.name not in names:
@@ -281,5 +302,6 @@ def parse_config(
     if config.cqs_visibility_timeout <= 0:
         raise ConfigError("--cqs-visibility-timeout must be positive")
     config.listen_addresses()  # fail early on a bad URL
+    config.metrics_addresses()
     parse_retention(config.auto_compaction_mode, config.auto_compaction_retention)
     return config

@@ -46,6 +46,7 @@ from queue_server.compactor import CompactionPlanner, parse_retention, run_compa
 from queue_server.config import GRPC_OVERHEAD_BYTES, Config, url_to_address
 from queue_server.cqs.watch_view import CqsWatchConsumers
 from queue_server.errors import EtcdError, LeaseNotFound
+from queue_server.http_health import HealthChecker, HealthListener, ListenError
 from queue_server.lease.expiry import ExpiryClock
 from queue_server.lease.ids import LeaseIdGenerator
 from queue_server.mq.dispatcher import Dispatcher
@@ -102,6 +103,7 @@ class Server:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self.expiry = ExpiryClock()
+        self.health: HealthListener | None = None
 
     # -- data directory -------------------------------------------------------
 
@@ -302,6 +304,13 @@ class Server:
         self._tasks.append(loop.create_task(self._tick_dispatcher()))
         if self.session is not None:
             self._tasks.append(loop.create_task(self.session.run()))
+        self.health = HealthListener(
+            HealthChecker(self.state.alarms, membership.leader_id, self.log.linearize)
+        )
+        try:
+            await self.health.start(cfg.metrics_addresses())
+        except ListenError as e:
+            raise StartupError(str(e)) from e
         log.info(
             "ready to serve client requests name=%s listen=%s data_dir=%s revision=%d term=%d",
             cfg.name,
@@ -510,6 +519,8 @@ class Server:
 
     async def stop(self, grace: float = SHUTDOWN_GRACE_SECONDS) -> None:
         """Stop serving; in-flight calls get `grace` seconds; the log is flushed."""
+        if self.health is not None:
+            await self.health.stop()
         if self._compactor is not None:
             self._compactor.cancel()
         for task in self._tasks:

@@ -7,8 +7,9 @@ replaced by local equivalents:
 
 - service hostnames (and the wildcard or loopback host a member listens on) by
   127.0.0.1;
-- the container ports 2379 (clients) and 2380 (peers) of each service by free
-  loopback ports of its own;
+- the container ports 2379 (clients), 2380 (peers) and 2381 (/health, the
+  metrics listener) of each service by free loopback ports of its own;
+- the image's `python` (the healthcheck's interpreter) by the test's own;
 - the data dir, where the service mounts its named volume, by a folder per service
   under the test's tmp dir.
 
@@ -40,6 +41,7 @@ COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 DOCKERFILE = REPO_ROOT / "Dockerfile"
 CLIENT_PORT = 2379
 PEER_PORT = 2380
+METRICS_PORT = 2381
 LOCAL_HOSTS = frozenset({"0.0.0.0", "localhost", "127.0.0.1"})
 """Hosts that mean "this container" in a service's own command or healthcheck."""
 READY_TIMEOUT = 20.0
@@ -67,9 +69,11 @@ class PortMap:
 
     client: Mapping[str, int]
     peer: Mapping[str, int]
+    metrics: Mapping[str, int]
 
     def port(self, host: str, port: int) -> int:
-        table = {CLIENT_PORT: self.client, PEER_PORT: self.peer}.get(port)
+        tables = {CLIENT_PORT: self.client, PEER_PORT: self.peer, METRICS_PORT: self.metrics}
+        table = tables.get(port)
         if table is None:
             raise ValueError(f"no local mapping for container port {port} of {host}")
         return table[host]
@@ -96,6 +100,12 @@ def localize(args: Sequence[str], service: str, ports: PortMap, data_dir: Path) 
     return out
 
 
+def local_healthcheck(args: Sequence[str]) -> list[str]:
+    """A healthcheck run with this machine's interpreter where the image's is named."""
+    program, *rest = args
+    return [sys.executable if program == "python" else program, *rest]
+
+
 def data_dir_flag(args: Sequence[str]) -> str | None:
     return flag_value(args, "--data-dir")
 
@@ -118,6 +128,7 @@ class Member:
     args: list[str]
     healthcheck: list[str]
     client_port: int
+    metrics_port: int
     data_dir: Path
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
@@ -148,6 +159,7 @@ class ComposeCluster:
         ports = PortMap(
             client={name: free_port() for name in services},
             peer={name: free_port() for name in services},
+            metrics={name: free_port() for name in services},
         )
         members = []
         for name, svc in services.items():
@@ -159,8 +171,9 @@ class ComposeCluster:
                 Member(
                     name=name,
                     args=localize(svc["command"], name, ports, data_dir),
-                    healthcheck=localize(test[1:], name, ports, data_dir),
+                    healthcheck=local_healthcheck(localize(test[1:], name, ports, data_dir)),
                     client_port=ports.client[name],
+                    metrics_port=ports.metrics[name],
                     data_dir=data_dir,
                     log_path=workdir / f"{name}.log",
                 )
