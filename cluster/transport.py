@@ -1,25 +1,30 @@
 """Peer-to-peer traffic of a cluster member, over gRPC on `--listen-peer-urls`.
 
-Two unary methods on the service `queue_server.cluster.Peer`, with raw bytes on
-the wire (no generated code):
+Two methods on the service `queue_server.cluster.Peer`, with raw bytes on the
+wire (no generated code):
 
-- `Deliver`: a batch of raft messages, each already encoded by the raft core
-  (`u32 length | bytes`, repeated). Fire and forget: Raft tolerates lost,
-  duplicated and reordered messages, so a failed send is dropped, never retried.
+- `Stream`: one long-lived client stream per peer; each stream message is a batch
+  of raft messages, each already encoded by the raft core (`u32 length | bytes`,
+  repeated). Fire and forget: Raft tolerates lost, duplicated and reordered
+  messages, so a batch that fails to go is dropped, never retried, and the next
+  batch opens a new stream. One stream instead of a unary call per batch saves
+  gRPC's per-call work, which dominated a busy leader's profile.
 - `Forward`: one serialized log command proposed on behalf of a follower; the
   answer says where it landed in the leader's log (or why not), and the follower
   then waits for its own state machine to apply that entry.
 
 What belongs here: framing, channels, and one sender per peer that coalesces
-messages queued while an RPC is in flight (so a slow peer costs one RPC at a
-time, and at most MAX_QUEUED messages of memory). Nothing about Raft itself.
+messages queued while a write is in flight (so a slow peer costs one pending
+write at a time, and at most MAX_QUEUED messages of memory). Nothing about Raft
+itself.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import struct
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +34,7 @@ from grpc import aio
 log = logging.getLogger(__name__)
 
 SERVICE = "queue_server.cluster.Peer"
-DELIVER = f"/{SERVICE}/Deliver"
+STREAM = f"/{SERVICE}/Stream"
 FORWARD = f"/{SERVICE}/Forward"
 MAX_QUEUED = 4096
 """Raft messages waiting for one peer; older ones are dropped beyond this (a
@@ -76,20 +81,23 @@ def peer_handler(
 ) -> grpc.GenericRpcHandler[bytes, bytes]:
     """The server side: `deliver(messages)` and `forward(command) -> answer`."""
 
-    async def on_deliver(request: bytes, context: aio.ServicerContext[bytes, bytes]) -> bytes:
-        try:
-            messages = unframe(request)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        deliver(messages)
+    async def on_stream(
+        requests: AsyncIterator[bytes], context: aio.ServicerContext[bytes, bytes]
+    ) -> bytes:
+        async for request in requests:
+            try:
+                messages = unframe(request)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            deliver(messages)
         return b""
 
     async def on_forward(request: bytes, context: aio.ServicerContext[bytes, bytes]) -> bytes:
         return await forward(request)
 
     handlers = {
-        "Deliver": grpc.unary_unary_rpc_method_handler(
-            on_deliver, request_deserializer=_identity, response_serializer=_identity
+        "Stream": grpc.stream_unary_rpc_method_handler(
+            on_stream, request_deserializer=_identity, response_serializer=_identity
         ),
         "Forward": grpc.unary_unary_rpc_method_handler(
             on_forward, request_deserializer=_identity, response_serializer=_identity
@@ -106,10 +114,11 @@ def url_to_target(url: str) -> str:
 
 @dataclass(eq=False)
 class _Peer:
-    """One peer: its channel and the messages waiting for it."""
+    """One peer: its channel, its message stream and the messages waiting for it."""
 
     target: str
     channel: aio.Channel
+    stream: aio.StreamUnaryCall[bytes, bytes] | None = None
     queue: list[bytes] = field(default_factory=list)
     sending: bool = False
     dropped: int = 0
@@ -153,17 +162,22 @@ class PeerClients:
             self._spawn(self._drain(peer))
 
     async def _drain(self, peer: _Peer) -> None:
-        call = peer.channel.unary_unary(
-            DELIVER, request_serializer=_identity, response_deserializer=_identity
-        )
         try:
             while peer.queue:
                 batch, peer.queue = peer.queue, []
                 try:
-                    await call(frame(batch), timeout=SEND_TIMEOUT)
-                except (TimeoutError, grpc.RpcError) as e:
-                    log.debug("raft send failed target=%s error=%s", peer.target, e)
+                    stream = peer.stream
+                    if stream is None or stream.done():
+                        stream = peer.stream = peer.channel.stream_unary(
+                            STREAM, request_serializer=_identity, response_deserializer=_identity
+                        )()  # type: ignore[call-arg]  # no iterator: written below
+                    await asyncio.wait_for(stream.write(frame(batch)), SEND_TIMEOUT)
+                except Exception as e:  # the peer is down, slow or gone: drop, reopen later
+                    log.debug("raft send failed target=%s error=%r", peer.target, e)
                     peer.dropped += len(batch)
+                    if peer.stream is not None:
+                        peer.stream.cancel()
+                        peer.stream = None
         finally:
             peer.sending = False
 

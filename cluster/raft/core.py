@@ -340,6 +340,8 @@ class RaftCore:
         self._reads_waiting_commit: list[tuple[bytes, int]] = []
         self._snapshot: Snapshot | None = None
         self._ready_out = False
+        # proposals appended since the last Ready, not yet sent to the followers
+        self._bcast_pending = False
 
     # -- read-only state -----------------------------------------------------------
 
@@ -445,7 +447,12 @@ class RaftCore:
         at that index is a different one (compare its term).
         """
         self._check_proposable()
-        return self._append(EntryKind.NORMAL, data)
+        e = Entry(self._term, self.log.last_index + 1, EntryKind.NORMAL, data)
+        self.log.append([e])
+        # Sent at the next ready(): the proposals of one Ready share one append per
+        # follower, instead of one append (and one answer) per proposal.
+        self._bcast_pending = True
+        return e.index
 
     def propose_conf_change(
         self, add: int | None = None, remove: int | None = None, *, context: bytes = b""
@@ -611,6 +618,7 @@ class RaftCore:
         log = self.log
         return bool(
             self._msgs
+            or self._bcast_pending
             or self._read_states
             or log.unstable_from <= log.last_index
             or log.pending_snapshot is not None
@@ -624,6 +632,10 @@ class RaftCore:
         """Take what must be persisted, sent and applied now (see the module docstring)."""
         if self._ready_out:
             raise RuntimeError("advance() the previous Ready before taking another")
+        if self._bcast_pending:
+            self._bcast_pending = False
+            if self._role is Role.LEADER:
+                self._bcast_append()
         hs, prev = self.hard_state, self._prev_hs
         rd = Ready(
             hard_state=hs if hs != prev else None,

@@ -119,4 +119,6 @@ def test_checker_catches_reads_without_a_quorum_check(monkeypatch: pytest.Monkey
         self._answer_read(context, self.log.committed, origin)
 
     monkeypatch.setattr(core_module.RaftCore, "_leader_read", unconfirmed)
-    assert "stale read" in find_violation()
+    # a stale read needs a deposed leader answering in a narrow window: seed 15 is
+    # the first schedule that opens it
+    assert "stale read" in find_violation(max_seeds=24)
