@@ -4,7 +4,7 @@ The runner starts three members of ours and three of etcd (`CLUSTER_SIZE` in
 `benchmarks/workloads/__init__.py`), each bootstrapped with one --initial-cluster
 on 127.0.0.1 peer ports, and waits until all members of a cluster name the same
 leader (Maintenance.Status: `leader` against `header.member_id`). Server CPU and
-RSS are those of the three members summed. Four rows, in this order, on one pair
+RSS are those of the three members summed. Five rows, in this order, on one pair
 of clusters (the last one kills a member, so it runs last):
 
 1. **Put spread over the members.** The put loop of the put suite (distinct keys,
@@ -17,7 +17,11 @@ of clusters (the last one kills a member, so it runs last):
 3. **Linearizable range on a follower.** Range (the default, linearizable) of one
    key, 64 in flight, every channel to one follower: each read costs the follower
    a ReadIndex round trip to the leader.
-4. **Leader failover.** A writer in the orchestrator puts a key every
+4. **A queue across members.** One producer and four consumers in one client
+   process, its channels alternating between the two followers; the leader
+   orders every assignment. Ours runs the native queue (consumers receive
+   handed-over delivery keys), etcd the queue suite's recipe.
+5. **Leader failover.** A writer in the orchestrator puts a key every
    `ATTEMPT_INTERVAL` round robin over the two followers, without waiting for the
    answer (each attempt has its own `ATTEMPT_TIMEOUT`; a client retrying as fast
    as that). After `STEADY` seconds of successful writes the leader is killed with
@@ -44,6 +48,15 @@ from benchmarks.results import Failed, Measurement, Outcome
 from benchmarks.servers import BenchCluster, BenchServer, ResourceMonitor
 from benchmarks.workloads.base import RunContext, Workload
 from benchmarks.workloads.kv import VALUE_SIZE, put_program, range_program
+from benchmarks.workloads.queue import (
+    BACKLOG,
+    NATIVE_ACKS_IN_FLIGHT,
+    NATIVE_BACKLOG,
+    NATIVE_PRODUCER_IN_FLIGHT,
+    DeliveryCheck,
+    native_queue_program,
+    queue_recipe_program,
+)
 from etcdserverpb import rpc_pb2, rpc_pb2_grpc
 
 MEMBERS = 3
@@ -152,7 +165,61 @@ def _range_follower(ctx: RunContext) -> Outcome:
     return outcome
 
 
-# -- row 4: leader failover, from the orchestrator --------------------------------
+# -- row 4: a queue across members ------------------------------------------------
+
+QUEUE_CONSUMERS = 4
+QUEUE_MESSAGES = (50_000, 300)
+
+
+def _queue_across(ctx: RunContext) -> Outcome:
+    """One producer and QUEUE_CONSUMERS consumers in one client process whose
+    channels alternate between the two followers: the producer and consumers 0
+    and 2 on one, consumers 1 and 3 on the other; the leader orders everything.
+    Ours: the native queue (consumers off the leader receive handed-over delivery
+    keys). etcd: the recipe of the queue suite (prefix watch, claim by Txn)."""
+    cluster = _cluster(ctx)
+    leader = cluster.wait_leader()
+    followers = cluster.followers(leader)
+    messages = ctx.budget.pick(*QUEUE_MESSAGES)
+    if ctx.kind == "etcd":
+        program = queue_recipe_program
+        params: dict[str, object] = {
+            "prefix": b"/bench/cluster/queue/",
+            "messages": messages,
+            "backlog": BACKLOG,
+        }
+    else:
+        program = native_queue_program
+        params = {
+            "queue": "bench-cluster",
+            "end_key": b"/bench/cluster/queue-end",
+            "messages": messages,
+            "put_batch": 1,
+            "ack_batch": 1,
+            "producer_tasks": NATIVE_PRODUCER_IN_FLIGHT,
+            "acks_in_flight": NATIVE_ACKS_IN_FLIGHT,
+            "backlog": NATIVE_BACKLOG,
+        }
+    outcome, payload = ctx.run_clients(
+        program,
+        procs=1,
+        concurrency=QUEUE_CONSUMERS,
+        max_ops=messages,
+        params=params,
+        per_proc=[{"consumers": QUEUE_CONSUMERS, "producer": True}],
+        channels=QUEUE_CONSUMERS // 2,
+        warmup=False,
+        endpoints=[m.endpoint for m in followers],
+    )
+    outcome = _leader_note(cluster, leader, outcome)
+    if isinstance(outcome, Measurement) and ctx.kind != "etcd":
+        check = DeliveryCheck.of(payload)
+        outcome.extra.update(lost=check.lost, duplicates=check.duplicates)
+        outcome.note += "; " + check.note(behind=bool(outcome.extra.get("timed_out_tasks")))
+    return outcome
+
+
+# -- row 5: leader failover, from the orchestrator --------------------------------
 
 
 @dataclass
@@ -366,6 +433,16 @@ CLUSTER = [
             "in flight: each read waits for the leader's ReadIndex."
         ),
         run=_range_follower,
+    ),
+    Workload(
+        suite="cluster",
+        name=f"queue across members, 1 producer, {QUEUE_CONSUMERS} consumers",
+        about=(
+            "One producer on a follower, consumers alternating between the two "
+            "followers, the leader dispatching: messages/s acked, produce-to-receipt "
+            "latency. Ours: the native queue; etcd: the queue suite's recipe."
+        ),
+        run=_queue_across,
     ),
     Workload(
         suite="cluster",
