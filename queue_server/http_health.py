@@ -154,11 +154,13 @@ class HealthChecker:
         alarms: AlarmTable,
         leader_id: Callable[[], int],
         linearize: Callable[[], Awaitable[None]],
+        render_metrics: Callable[[], bytes] | None = None,
         range_timeout: float = RANGE_TIMEOUT,
     ) -> None:
         self.alarms = alarms
         self.leader_id = leader_id
         self.linearize = linearize
+        self.render_metrics = render_metrics
         self.range_timeout = range_timeout
 
     def check_alarms(self, excluded: Iterable[str]) -> Health:
@@ -218,9 +220,20 @@ async def get_readyz(checker: HealthChecker, request: Request) -> Response:
     return text_response(HTTPStatus.SERVICE_UNAVAILABLE, verdict.reason)
 
 
+async def get_metrics(checker: HealthChecker, request: Request) -> Response:
+    if checker.render_metrics is None:
+        return text_response(HTTPStatus.NOT_FOUND, "404 page not found")
+    return Response(
+        HTTPStatus.OK,
+        checker.render_metrics(),
+        content_type="text/plain; version=0.0.4; charset=utf-8",
+    )
+
+
 Route = Callable[[HealthChecker, Request], Awaitable[Response]]
 ROUTES: Mapping[str, Route] = {
     "/health": get_health,
+    "/metrics": get_metrics,
     "/livez": get_livez,
     "/readyz": get_readyz,
 }

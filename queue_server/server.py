@@ -49,6 +49,8 @@ from queue_server.errors import EtcdError, LeaseNotFound
 from queue_server.http_health import HealthChecker, HealthListener, ListenError
 from queue_server.lease.expiry import ExpiryClock
 from queue_server.lease.ids import LeaseIdGenerator
+from queue_server.metrics import Membership as MetricsMembership
+from queue_server.metrics import ServerMetrics, StateCollector
 from queue_server.mq.dispatcher import Dispatcher
 from queue_server.mq.session import NodeSession
 from queue_server.mvcc.store import Event
@@ -104,6 +106,8 @@ class Server:
         self._background: set[asyncio.Task[None]] = set()
         self.expiry = ExpiryClock()
         self.health: HealthListener | None = None
+        self.metrics = ServerMetrics()
+        self._leader_changes = 0
 
     # -- data directory -------------------------------------------------------
 
@@ -202,7 +206,7 @@ class Server:
             self.peers,
             self._removed,
         )
-        server = aio.server(options=self._grpc_options())
+        server = aio.server(options=self._grpc_options(), interceptors=[self.metrics.grpc])
         writes = QuotaGuard(self.log, self.state, cfg.quota_backend_bytes, member_id)
         ids = LeaseIdGenerator(member_id)
         services = GenericHandlersOnly(server)
@@ -238,6 +242,13 @@ class Server:
             dispatching_node=self._dispatching_node if self.session is not None else None,
         )
         self.dispatcher.rebuild()
+        self.metrics.watch_state(
+            StateCollector(
+                self.state,
+                lambda: self.dispatcher,
+                MetricsMembership(membership.leader_id, member_id, lambda: self._leader_changes),
+            )
+        )
         self.watch_hub.queue_consumers = self.dispatcher
         hub_on_commit, dispatcher_on_commit = self.watch_hub.on_commit, self.dispatcher.on_commit
 
@@ -305,7 +316,9 @@ class Server:
         if self.session is not None:
             self._tasks.append(loop.create_task(self.session.run()))
         self.health = HealthListener(
-            HealthChecker(self.state.alarms, membership.leader_id, self.log.linearize)
+            HealthChecker(
+                self.state.alarms, membership.leader_id, self.log.linearize, self.metrics.render
+            )
         )
         try:
             await self.health.start(cfg.metrics_addresses())
@@ -401,6 +414,8 @@ class Server:
         assert isinstance(self.log, ClusterLog)
         if self.header is not None:
             self.header.raft_term = self.log.term
+        if leader:
+            self._leader_changes += 1
         if leader == self.log.member_id:
             self._rearm_leases()
             self.dispatcher.claim_registries()

@@ -140,6 +140,12 @@ class SlaQueue:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
+    def most_urgent_sla_us(self) -> int | None:
+        """The SLA of the most urgent pending record (None: nothing pending)."""
+        if not self._all:
+            return None
+        return self._by_priority[self._all[0]].sla_us
+
     def seq_of(self, record: Record) -> int:
         """The record's enqueue number in this queue (stable across deliveries)."""
         return record.priority & ((1 << _SEQ_BITS) - 1)

@@ -101,6 +101,7 @@ class Dispatcher:
         self.propose = propose
         self.spawn = spawn
         self.clock = clock
+        self.started = clock()
         self.new_lease_id = new_lease_id
         self.session = session or _no_session
         self.dispatching_node = dispatching_node or (lambda: self.node_name)
@@ -112,6 +113,8 @@ class Dispatcher:
         self.delivered = 0
         # consumers of CQS queues are served by the CQS watch view
         self.cqs_view: CqsWatchConsumers | None = None
+        # queue -> idx -> when this node saw the message produced (for metrics)
+        self.first_seen: dict[bytes, dict[int, float]] = {}
         queues.on_deliver = self._on_deliver
 
     def rebuild(self) -> None:
@@ -275,15 +278,22 @@ class Dispatcher:
     # -- delivery ---------------------------------------------------------------
 
     def on_commit(self, revision: int, events: list[Event]) -> None:
-        """State machine hook: a registry key of a consumer still watching here
-        that went away (the node's session lease expired while it was cut off,
-        or an operator deleted it) is written again."""
+        """State machine hook: note when messages were produced (the age of the
+        oldest pending one is a metric); a registry key of a consumer still
+        watching here that went away (the node's session lease expired while it
+        was cut off, or an operator deleted it) is written again."""
         for e in events:
             key = e.kv.key
-            if not e.is_delete or not key.startswith((keys.SHORT, keys.LONG)):
+            if not key.startswith((keys.SHORT, keys.LONG)):
                 continue
             qk = keys.parse(key)
-            if qk is None or qk.kind != "consume":
+            if qk is not None and qk.kind == "message":
+                if e.is_delete:
+                    self.first_seen.get(qk.name, {}).pop(qk.idx, None)
+                elif e.prev_kv is None:
+                    self.first_seen.setdefault(qk.name, {})[qk.idx] = self.clock()
+                continue
+            if qk is None or not e.is_delete or qk.kind != "consume":
                 continue
             watches = self.local.get((qk.name, qk.consumer))
             if watches:
@@ -293,6 +303,14 @@ class Dispatcher:
                     if viewer.consumer_id == qk.consumer and viewer.queue.encode() == qk.name:
                         self.spawn(self._register(qk.name, keys.SHORT, qk.consumer, viewer.watcher))
                         break
+
+    def oldest_pending_age(self, q: QueueInfo, now: float) -> float:
+        """Seconds since the oldest pending message was produced (0: none pending;
+        a message from before this process started counts from its start)."""
+        if not q.pending:
+            return 0.0
+        seen = self.first_seen.get(q.name, {}).get(q.pending.peekitem(0)[0])
+        return now - (seen if seen is not None else self.started)
 
     def _on_deliver(self, q: QueueInfo, slot: ConsumerSlot, items: list[tuple[int, bytes]]) -> None:
         """The state machine assigned messages to a consumer: push them to its

@@ -122,6 +122,11 @@ class QueueInfo:
     holder: dict[int, ConsumerSlot] = field(default_factory=dict)
     consumers: dict[bytes, ConsumerSlot] = field(default_factory=dict)  # in join order
     next_consumer: int = 0
+    # counted since this process started (metrics; not part of snapshots)
+    delivered: int = 0
+    acked: int = 0
+    redelivered: int = 0
+    dead_lettered: int = 0
 
     def dead_letter_name(self) -> bytes:
         return self.settings.dead_letter or self.name + b".dead"
@@ -233,6 +238,7 @@ class QueueState:
                     if q.pending.pop(qk.idx, None) is None:
                         slot = q.holder.pop(qk.idx, None)
                         if slot is not None:
+                            q.acked += 1
                             slot.held.pop(qk.idx, None)
                             self._dirty.add(q)  # room in its prefetch window
                 elif e.prev_kv is None:
@@ -281,6 +287,7 @@ class QueueState:
                 self._to_dead.append((q, idx))
             q.pending[idx] = key
         if n:
+            q.redelivered += n
             self._dirty.add(q)
         return n
 
@@ -328,6 +335,7 @@ class QueueState:
                 if kv is None:  # pragma: no cover - pending keys exist
                     continue
                 dead = self.queue(q.dead_letter_name(), q.spelling)
+                q.dead_lettered += 1
                 txn.delete_range(key, None)
                 new_idx = dead.next_idx
                 dead.next_idx += 1
@@ -357,6 +365,7 @@ class QueueState:
             idx, key = pending.popitem(0)
             slot.held[idx] = key
             q.holder[idx] = slot
+            q.delivered += 1
             batches.setdefault(slot, []).append((idx, key))
         deliver = self.on_deliver
         if deliver is not None:

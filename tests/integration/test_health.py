@@ -88,7 +88,7 @@ def test_unknown_path_is_404_and_other_methods_405(
 ) -> None:
     _, port = metrics_server
     assert get(port, "/nope").status == 404
-    assert get(port, "/metrics").status == 404
+    assert get(port, "/metrics/x").status == 404
     assert get(port, "/health", method="POST").status == 405
 
 
