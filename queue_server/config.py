@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--listen-metrics-urls",
         default="",
-        help="comma-separated http:// URLs to serve /health, /readyz and /livez on",
+        help="comma-separated http:// URLs to serve /metrics, /health, /readyz and /livez on",
     )
     add(
         "--initial-advertise-peer-urls",
