@@ -15,16 +15,9 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from queue_server import restore
+from queue_server import logs, restore
 from queue_server.config import ConfigError, parse_config
 from queue_server.server import Server, StartupError
-
-_LEVELS = {
-    "debug": logging.DEBUG,
-    "info": logging.INFO,
-    "warn": logging.WARNING,
-    "error": logging.ERROR,
-}
 
 
 async def serve(server: Server) -> None:
@@ -67,11 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"queue-server: {e}", file=sys.stderr)
         return 1
-    logging.basicConfig(
-        level=_LEVELS[config.log_level],
-        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-        stream=sys.stderr,
-    )
+    logs.configure(config.log_level, config.log_format)
     gc.set_threshold(*GC_THRESHOLDS)
     server = Server(config)
     try:

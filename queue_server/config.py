@@ -48,6 +48,8 @@ class Config:
     grpc_keepalive_timeout: float
     watch_progress_notify_interval: float
     cqs_visibility_timeout: float = 60.0
+    log_format: str = "console"
+    warning_apply_duration: float = 0.1
     listen_peer_urls: tuple[str, ...] = ("http://localhost:2380",)
     initial_cluster: tuple[tuple[str, tuple[str, ...]], ...] = ()
     initial_cluster_state: str = "new"
@@ -203,6 +205,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--log-level", default="info", choices=("debug", "info", "warn", "error"))
     add(
+        "--log-format",
+        default="console",
+        choices=("console", "json"),
+        help="one line per record: text with key=value fields, or a JSON object",
+    )
+    add(
+        "--experimental-warning-apply-duration",
+        default="100ms",
+        help="a request that takes longer is logged as 'apply request took too long'",
+    )
+    add(
         "--grpc-keepalive-min-time",
         default="5s",
         help="shortest interval a client may send keepalive pings at",
@@ -279,6 +292,8 @@ def parse_config(
         else DEFAULT_QUOTA_BYTES,
         unsafe_no_fsync=bool(a.unsafe_no_fsync),
         log_level=a.log_level,
+        log_format=a.log_format,
+        warning_apply_duration=parse_duration(a.experimental_warning_apply_duration),
         grpc_keepalive_min_time=parse_duration(a.grpc_keepalive_min_time),
         grpc_keepalive_interval=parse_duration(a.grpc_keepalive_interval),
         grpc_keepalive_timeout=parse_duration(a.grpc_keepalive_timeout),

@@ -1,168 +1,26 @@
 """Prometheus metrics of one member, served at `/metrics` on --listen-metrics-urls.
 
 What belongs here: the registry of this server (not prometheus-client's global
-one, so two servers in one process do not mix), the gRPC interceptor that counts
-started and handled RPCs under grpc-prometheus' names (`grpc_server_started_total`,
-`grpc_server_handled_total`, as etcd exports them), and a collector that reads the
-state when scraped: etcd's names where they apply (`etcd_server_has_leader`,
+one, so two servers in one process do not mix; the gRPC counters are registered
+in it by `queue_server/api/observer.py`), and a collector that reads the state
+when scraped: etcd's names where they apply (`etcd_server_has_leader`,
 `etcd_mvcc_db_total_size_in_bytes`, `etcd_debugging_mvcc_keys_total`, ...) and
 ours for the queues (`queue_server_queue_*` per etcd-key queue, `queue_server_cqs_*`
-per CQS queue). Nothing is computed on the request path but two counter
-increments; everything else is read at scrape time.
+per CQS queue), read at scrape time.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
-import grpc
-from grpc import aio
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from queue_server.apply import StateMachine
 from queue_server.mq.dispatcher import Dispatcher
-
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
-def _rpc_type(handler: grpc.RpcMethodHandler[Any, Any]) -> str:
-    if handler.request_streaming and handler.response_streaming:
-        return "bidi_stream"
-    if handler.request_streaming:
-        return "client_stream"
-    if handler.response_streaming:
-        return "server_stream"
-    return "unary"
-
-
-class GrpcMetrics(aio.ServerInterceptor):  # type: ignore[type-arg]
-    """Counts every RPC when it starts and, with its status code, when it ends."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        labels = ["grpc_type", "grpc_service", "grpc_method"]
-        self.started = Counter(
-            "grpc_server_started_total",
-            "Total number of RPCs started on the server.",
-            labels,
-            registry=registry,
-        )
-        self.handled = Counter(
-            "grpc_server_handled_total",
-            "Total number of RPCs completed on the server, regardless of success or failure.",
-            [*labels, "grpc_code"],
-            registry=registry,
-        )
-        # method -> (the handler it had, its counting wrapper): one wrapper per method
-        self._wrapped: dict[str, tuple[Any, Any]] = {}
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Any],
-        details: grpc.HandlerCallDetails,
-    ) -> Any:
-        handler = await continuation(details)
-        if handler is None:
-            return None
-        cached = self._wrapped.get(details.method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        wrapped = self._wrap(handler, details.method)
-        self._wrapped[details.method] = (handler, wrapped)
-        return wrapped
-
-    def _wrap(self, handler: Any, full_method: str) -> Any:
-        service, _, method = full_method.lstrip("/").rpartition("/")
-        labels = (_rpc_type(handler), service, method)
-        kind = labels[0]
-        if kind == "unary":
-            return grpc.unary_unary_rpc_method_handler(
-                self._call(handler.unary_unary, labels),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if kind == "client_stream":
-            return grpc.stream_unary_rpc_method_handler(
-                self._call(handler.stream_unary, labels),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        behavior = handler.unary_stream if kind == "server_stream" else handler.stream_stream
-        behavior_wrapper = (
-            self._stream(behavior, labels)
-            if inspect.isasyncgenfunction(behavior)
-            else self._call(behavior, labels)
-        )
-        make = (
-            grpc.unary_stream_rpc_method_handler
-            if kind == "server_stream"
-            else grpc.stream_stream_rpc_method_handler
-        )
-        return make(
-            behavior_wrapper,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-
-    def _done(
-        self, labels: tuple[str, str, str], context: Any, error: BaseException | None
-    ) -> None:
-        code = context.code()
-        if isinstance(error, asyncio.CancelledError):
-            name = "Canceled"
-        elif code is not None:
-            name = _code_name(code)
-        elif error is not None and not isinstance(error, aio.AbortError):
-            name = "Unknown"
-        else:
-            name = "OK"
-        self.handled.labels(*labels, name).inc()
-
-    def _call(self, behavior: Any, labels: tuple[str, str, str]) -> Any:
-        started = self.started.labels(*labels)
-
-        async def call(request: Any, context: Any) -> Any:
-            started.inc()
-            error: BaseException | None = None
-            try:
-                return await behavior(request, context)
-            except BaseException as e:
-                error = e
-                raise
-            finally:
-                self._done(labels, context, error)
-
-        return call
-
-    def _stream(self, behavior: Any, labels: tuple[str, str, str]) -> Any:
-        started = self.started.labels(*labels)
-
-        async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
-            started.inc()
-            error: BaseException | None = None
-            try:
-                async for item in behavior(request, context):
-                    yield item
-            except BaseException as e:
-                error = e
-                raise
-            finally:
-                self._done(labels, context, error)
-
-        return stream
-
-
-def _code_name(code: grpc.StatusCode) -> str:
-    """grpc-go's spelling of a code, as grpc-prometheus labels it (OK, NotFound...)."""
-    words = code.name.split("_")
-    name = "".join(w.capitalize() for w in words)
-    return "Canceled" if name == "Cancelled" else name
 
 
 @dataclass
@@ -314,7 +172,6 @@ class ServerMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.grpc = GrpcMetrics(self.registry)
 
     def watch_state(self, collector: StateCollector) -> None:
         self.registry.register(collector)

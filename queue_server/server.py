@@ -39,6 +39,7 @@ from queue_server.api.kv import KVService
 from queue_server.api.lease import LeaseService
 from queue_server.api.lock import LockService
 from queue_server.api.maintenance import ClusterService, MaintenanceService
+from queue_server.api.observer import RpcObserver
 from queue_server.api.registry import GenericHandlersOnly
 from queue_server.api.watch import WatchService, run_progress_notifier
 from queue_server.apply import StateMachine
@@ -206,7 +207,8 @@ class Server:
             self.peers,
             self._removed,
         )
-        server = aio.server(options=self._grpc_options(), interceptors=[self.metrics.grpc])
+        observer = RpcObserver(self.metrics.registry, cfg.warning_apply_duration)
+        server = aio.server(options=self._grpc_options(), interceptors=[observer])
         writes = QuotaGuard(self.log, self.state, cfg.quota_backend_bytes, member_id)
         ids = LeaseIdGenerator(member_id)
         services = GenericHandlersOnly(server)
