@@ -77,8 +77,8 @@ def load_credentials(config: Config) -> Credentials:
     """Read and check the TLS files the config needs; raises TLSError.
 
     Files of a side with no https listener are not read (etcd ignores them, with
-        the warnings of `ignored_on_http`); the peer channel credentials are made when
-        any member has an https peer URL or peer TLS files are given."""
+    the warnings of `ignored_on_http`); the peer channel credentials are made when
+    any member has an https peer URL or peer TLS files are given."""
     peer = config.peer_tls
     serves_tls = any(secure_url(u) for u in config.listen_client_urls)
     peer_serves_tls = any(secure_url(u) for u in config.listen_peer_urls)
