@@ -204,14 +204,20 @@ def test_member_with_an_untrusted_peer_certificate_cannot_join(tmp_path: Path, p
     )
     n1, n2, n3 = c.members
     try:
-        for m in c.members:
-            m.start(wait=True)
+        c.start_members()
         leader = c.wait_leader(exclude=n3)
         assert leader in (n1, n2)
         assert {n1.status().leader, n2.status().leader} == {leader.status().header.member_id}
-        assert n3.status().leader == 0  # nothing from n1 and n2 reaches it
         with n2.channel() as ch:
             assert put_get(ch, b"peer/two", b"v") == [(b"peer/two", b"v")]
+        # The leader's appends and heartbeats to n3 fail the handshake (and so do
+        # n3's votes to them): n3 knows no leader and has none of the data.
+        assert n3.status().leader == 0
+        with n3.channel() as ch:
+            resp = rpc_pb2_grpc.KVStub(ch).Range(
+                rpc_pb2.RangeRequest(key=b"peer/two", serializable=True), timeout=CALL_TIMEOUT
+            )
+        assert list(resp.kvs) == []
     finally:
         c.stop()
 

@@ -112,13 +112,17 @@ class Cluster:
         return ",".join(m.endpoint for m in self.members)
 
     def start(self) -> Cluster:
+        self.start_members()
+        self.wait_leader()
+        return self
+
+    def start_members(self) -> None:
+        """Start every member and wait until each serves clients (not for a leader)."""
         for m in self.members:
             m.start(wait=False)
         for m in self.members:
             assert m.proc is not None
             wait_ready(m.endpoint, m.proc, credentials=m.credentials)
-        self.wait_leader()
-        return self
 
     def stop(self) -> None:
         for proxy in self.proxies.values():
