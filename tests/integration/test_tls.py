@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from grpc import aio
 from etcdserverpb import rpc_pb2, rpc_pb2_grpc
 from queue_server.tls import client_common_name
 from tests.support.cluster import Cluster
-from tests.support.processes import REPO_ROOT, ServerProcess, free_port, open_channel
+from tests.support.processes import ServerProcess, free_port, open_channel, run_cli
 from tests.support.tls import CLIENT_CN, CertFiles, Pki, make_pki
 
 pytestmark = pytest.mark.integration
@@ -225,16 +224,6 @@ def test_member_with_an_untrusted_peer_certificate_cannot_join(tmp_path: Path, p
 
 
 # -- startup errors -------------------------------------------------------------
-
-
-def run_cli(args: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "queue_server.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=REPO_ROOT,
-    )
 
 
 @pytest.mark.parametrize(

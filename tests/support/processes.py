@@ -61,6 +61,18 @@ def wait_ready(
     raise TimeoutError(f"server at {endpoint} not ready after {timeout}s: {last}")
 
 
+def run_cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`queue-server ARGS` to its end (bounded): for startup failures and restore."""
+    return subprocess.run(
+        [sys.executable, "-m", "queue_server.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=REPO_ROOT,
+        env={**os.environ, **(env or {})},
+    )
+
+
 class ServerProcess:
     """Our server, run as `python -m queue_server.cli` in its own process."""
 
