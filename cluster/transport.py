@@ -13,6 +13,10 @@ wire (no generated code):
   answer says where it landed in the leader's log (or why not), and the follower
   then waits for its own state machine to apply that entry.
 
+An `https://` peer URL is dialled over TLS with the credentials the server
+passes in (`queue_server.tls` makes them from the --peer-* flags); the stream and
+the forwarding call are the same either way.
+
 What belongs here: framing, channels, and one sender per peer that coalesces
 messages queued while a write is in flight (so a slow peer costs one pending
 write at a time, and at most MAX_QUEUED messages of memory). Nothing about Raft
@@ -107,9 +111,14 @@ def peer_handler(
 
 
 def url_to_target(url: str) -> str:
-    """host:port of a peer URL (http://host:port)."""
+    """host:port of a peer URL (http://host:port or https://host:port)."""
     rest = url.split("://", 1)[-1]
     return rest.rstrip("/")
+
+
+def is_tls_url(url: str) -> bool:
+    """An https:// peer URL is dialled with TLS, anything else in the clear."""
+    return url.lower().startswith("https://")
 
 
 @dataclass(eq=False)
@@ -117,6 +126,7 @@ class _Peer:
     """One peer: its channel, its message stream and the messages waiting for it."""
 
     target: str
+    tls: bool
     channel: aio.Channel
     stream: aio.StreamUnaryCall[bytes, bytes] | None = None
     queue: list[bytes] = field(default_factory=list)
@@ -125,22 +135,34 @@ class _Peer:
 
 
 class PeerClients:
-    """Channels to the other members, by member id."""
+    """Channels to the other members, by member id.
 
-    def __init__(self, spawn: Callable[[Coroutine[Any, Any, None]], object]) -> None:
+    `credentials` are used for https:// peer URLs (the peer CA and this member's
+    peer certificate); without them such URLs are dialled verifying against the
+    system roots and presenting no certificate."""
+
+    def __init__(
+        self,
+        spawn: Callable[[Coroutine[Any, Any, None]], object],
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self._spawn = spawn
+        self._credentials = credentials
         self._peers: dict[int, _Peer] = {}
 
     def set_peer(self, member_id: int, url: str) -> None:
-        target = url_to_target(url)
+        target, tls = url_to_target(url), is_tls_url(url)
         old = self._peers.get(member_id)
-        if old is not None and old.target == target:
+        if old is not None and (old.target, old.tls) == (target, tls):
             return
         if old is not None:
             self._spawn(old.channel.close(None))
-        self._peers[member_id] = _Peer(
-            target, aio.insecure_channel(target, options=CHANNEL_OPTIONS)
-        )
+        if tls:
+            credentials = self._credentials or grpc.ssl_channel_credentials()
+            channel = aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+        else:
+            channel = aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._peers[member_id] = _Peer(target, tls, channel)
 
     def remove_peer(self, member_id: int) -> None:
         old = self._peers.pop(member_id, None)

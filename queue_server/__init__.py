@@ -4,8 +4,8 @@ Map of the package (imports point down this list, never up):
 
 - `api/`      gRPC servicers, one module per etcd service (and `cqs.py` for the
               Change Queue Service): validate, call the core, translate errors
-              (`api/errors.py`), fill the response header. The only package of
-              queue_server that imports grpc.
+              (`api/errors.py`), fill the response header. With `tls.py` and
+              `server.py`, the only parts of queue_server that import grpc.
 - `apply.py`  the state machine: log commands -> results, deterministic.
 - `kv/`       KV request semantics: stateless validation and the executor that runs
               Range/Put/DeleteRange/Txn/Compaction on the store.
@@ -19,6 +19,9 @@ Map of the package (imports point down this list, never up):
 - `compactor.py` auto-compaction policy (etcd's --auto-compaction-*).
 - `errors.py` the etcd errors the core reports, with their wire code and text.
 - `config.py`, `cli.py` flags and ETCD_* variables -> one frozen Config.
+- `tls.py`    the TLS flags' files -> gRPC credentials for client and peer URLs;
+              `client_common_name(context)`, the client certificate's CN (the
+              user name under --client-cert-auth, for auth).
 - `http_health.py` the --listen-metrics-urls listener: etcd's /health, /readyz, /livez.
 - `server.py` composition and lifecycle: start, serve, graceful stop; with
               --initial-cluster it puts `cluster.node.ClusterLog` (Raft) where

@@ -11,7 +11,7 @@ import argparse
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from queue_server.compactor import parse_retention
@@ -54,6 +54,8 @@ class Config:
     initial_cluster: tuple[tuple[str, tuple[str, ...]], ...] = ()
     initial_cluster_state: str = "new"
     listen_metrics_urls: tuple[str, ...] = ()
+    client_tls: TLSFiles = field(default_factory=lambda: TLSFiles())
+    peer_tls: TLSFiles = field(default_factory=lambda: TLSFiles())
 
     @property
     def clustered(self) -> bool:
@@ -67,6 +69,27 @@ class Config:
     def metrics_addresses(self) -> list[tuple[str, int]]:
         """(host, port) pairs to bind, from --listen-metrics-urls."""
         return [metrics_address(u) for u in self.listen_metrics_urls]
+
+
+@dataclass(frozen=True, slots=True)
+class TLSFiles:
+    """One side's TLS flags (clients: --cert-file...; peers: --peer-cert-file...).
+
+    `flag_prefix` is "" or "peer-", so that messages name the flags as given."""
+
+    cert_file: str = ""
+    key_file: str = ""
+    trusted_ca_file: str = ""
+    client_cert_auth: bool = False
+    flag_prefix: str = ""
+
+    @property
+    def empty(self) -> bool:
+        """No certificate and no key: as etcd's TLSInfo.Empty(), https cannot be served."""
+        return not self.cert_file and not self.key_file
+
+    def flag(self, name: str) -> str:
+        return f"--{self.flag_prefix}{name}"
 
 
 class ConfigError(ValueError):
@@ -85,6 +108,11 @@ def url_to_address(url: str) -> str:
     if ":" in host:
         host = f"[{host}]"
     return f"{host}:{parts.port}"
+
+
+def secure_url(url: str) -> bool:
+    """An https:// (or unixs://) URL: served and dialled with TLS."""
+    return urlsplit(url).scheme in ("https", "unixs")
 
 
 def metrics_address(url: str) -> tuple[str, int]:
@@ -232,7 +260,64 @@ def build_parser() -> argparse.ArgumentParser:
         default="60s",
         help="how long a dequeued CQS notification stays invisible unless acknowledged",
     )
+    _add_tls_flags(p, "", "client")
+    _add_tls_flags(p, "peer-", "peer")
     return p
+
+
+def _add_tls_flags(p: argparse.ArgumentParser, prefix: str, side: str) -> None:
+    """etcd's TLS flags for one side: `--cert-file` ... or `--peer-cert-file` ..."""
+    p.add_argument(
+        f"--{prefix}cert-file",
+        default="",
+        help=f"PEM certificate (chain) this member presents on https {side} URLs",
+    )
+    p.add_argument(
+        f"--{prefix}key-file", default="", help=f"PEM private key of --{prefix}cert-file"
+    )
+    p.add_argument(
+        f"--{prefix}trusted-ca-file",
+        default="",
+        help=f"PEM CA bundle that {side} certificates must be signed by",
+    )
+    p.add_argument(
+        f"--{prefix}client-cert-auth",
+        type=_bool,
+        nargs="?",
+        const=True,
+        default=False,
+        help=f"refuse {side}s without a certificate signed by --{prefix}trusted-ca-file",
+    )
+
+
+def _tls_files(a: argparse.Namespace, prefix: str) -> TLSFiles:
+    dest = prefix.replace("-", "_")
+    return TLSFiles(
+        cert_file=getattr(a, f"{dest}cert_file"),
+        key_file=getattr(a, f"{dest}key_file"),
+        trusted_ca_file=getattr(a, f"{dest}trusted_ca_file"),
+        client_cert_auth=bool(getattr(a, f"{dest}client_cert_auth")),
+        flag_prefix=prefix,
+    )
+
+
+def check_tls(files: TLSFiles, urls: Sequence[str], kind: str) -> None:
+    """What etcd refuses at start for one side's https URLs (file contents are
+    checked when the server loads them, see `queue_server.tls`)."""
+    https = [u for u in urls if secure_url(u)]
+    if https and files.empty:
+        raise ConfigError(
+            f"TLS key/cert ({files.flag('cert-file')}, {files.flag('key-file')}) must be "
+            f"provided for {kind} url {https[0]} with HTTPS scheme"
+        )
+    if bool(files.cert_file) != bool(files.key_file):
+        given, missing = ("cert-file", "key-file") if files.cert_file else ("key-file", "cert-file")
+        raise ConfigError(f"{files.flag(given)} is given without {files.flag(missing)}")
+    if https and files.client_cert_auth and not files.trusted_ca_file:
+        raise ConfigError(
+            f"{files.flag('client-cert-auth')} needs {files.flag('trusted-ca-file')}: "
+            f"the CA that {kind} certificates must be signed by"
+        )
 
 
 def _env_defaults(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
@@ -308,6 +393,8 @@ def parse_config(
         ),
         initial_cluster_state=a.initial_cluster_state,
         listen_metrics_urls=_csv(a.listen_metrics_urls),
+        client_tls=_tls_files(a, ""),
+        peer_tls=_tls_files(a, "peer-"),
     )
     names = [name for name, _ in config.initial_cluster]
     if config.name not in names:
@@ -318,5 +405,7 @@ def parse_config(
         raise ConfigError("--cqs-visibility-timeout must be positive")
     config.listen_addresses()  # fail early on a bad URL
     config.metrics_addresses()
+    check_tls(config.client_tls, config.listen_client_urls, "client")
+    check_tls(config.peer_tls, config.listen_peer_urls, "peer")
     parse_retention(config.auto_compaction_mode, config.auto_compaction_retention)
     return config

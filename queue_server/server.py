@@ -44,7 +44,7 @@ from queue_server.api.registry import GenericHandlersOnly
 from queue_server.api.watch import WatchService, run_progress_notifier
 from queue_server.apply import StateMachine
 from queue_server.compactor import CompactionPlanner, parse_retention, run_compactor
-from queue_server.config import GRPC_OVERHEAD_BYTES, Config, url_to_address
+from queue_server.config import GRPC_OVERHEAD_BYTES, Config, secure_url, url_to_address
 from queue_server.cqs.watch_view import CqsWatchConsumers
 from queue_server.errors import EtcdError, LeaseNotFound
 from queue_server.http_health import HealthChecker, HealthListener, ListenError
@@ -58,6 +58,7 @@ from queue_server.mvcc.store import Event
 from queue_server.quota import QuotaGuard
 from queue_server.recipes.local_client import LocalClient
 from queue_server.storage.local_log import LocalLog
+from queue_server.tls import Credentials, TLSError, ignored_on_http, load_credentials
 from queue_server.watch.hub import WatchHub
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ class Server:
         self.health: HealthListener | None = None
         self.metrics = ServerMetrics()
         self._leader_changes = 0
+        self.tls = Credentials(None, None, None)
 
     # -- data directory -------------------------------------------------------
 
@@ -154,6 +156,10 @@ class Server:
 
     async def start(self) -> None:
         cfg = self.config
+        try:
+            self.tls = load_credentials(cfg)
+        except TLSError as e:
+            raise StartupError(str(e)) from e
         term = self._take_data_dir()
         member_id = member_id_for(cfg.initial_advertise_peer_urls, cfg.initial_cluster_token)
         cluster_members = [member_id]
@@ -287,16 +293,7 @@ class Server:
         v3election_pb2_grpc.add_ElectionServicer_to_server(
             ElectionService(recipes, header, ids), services
         )
-        for address in cfg.listen_addresses():
-            try:
-                port = server.add_insecure_port(address)
-            except RuntimeError as e:
-                raise StartupError(
-                    f"cannot listen on {address}: address in use or unavailable"
-                ) from e
-            if port == 0:
-                raise StartupError(f"cannot listen on {address}: address in use or unavailable")
-            self.bound_ports.append(port)
+        self.bound_ports += self._bind(server, cfg.listen_client_urls, "client")
         await server.start()
         self.grpc_server = server
         if isinstance(self.log, ClusterLog):
@@ -335,6 +332,31 @@ class Server:
             term,
         )
 
+    def _bind(self, server: aio.Server, urls: tuple[str, ...], kind: str) -> list[int]:
+        """Listen on the client or peer URLs: https ones with that side's TLS
+        credentials (config checking made sure they exist), http ones in the clear."""
+        files = self.config.client_tls if kind == "client" else self.config.peer_tls
+        credentials = self.tls.client_server if kind == "client" else self.tls.peer_server
+        ports = []
+        for url in urls:
+            address = url_to_address(url)
+            for warning in ignored_on_http(files, url, kind):
+                log.warning(warning)
+            try:
+                if secure_url(url):
+                    assert credentials is not None, "check_tls lets no https URL go without"
+                    port = server.add_secure_port(address, credentials)
+                else:
+                    port = server.add_insecure_port(address)
+            except RuntimeError as e:
+                raise StartupError(
+                    f"cannot listen on {address}: address in use or unavailable"
+                ) from e
+            if port == 0:
+                raise StartupError(f"cannot listen on {address}: address in use or unavailable")
+            ports.append(port)
+        return ports
+
     def _removed(self) -> None:
         """This member was removed from the cluster: stop serving, as etcd does."""
         log.warning("this member was removed from the cluster; stopping")
@@ -368,7 +390,7 @@ class Server:
             for name, urls in cfg.initial_cluster
         }
         me = ids[cfg.name]
-        peers = PeerClients(self._spawn)
+        peers = PeerClients(self._spawn, self.tls.peer_channel)
         for name, urls in cfg.initial_cluster:
             if ids[name] != me:
                 peers.set_peer(ids[name], urls[0])
@@ -387,14 +409,7 @@ class Server:
         self.peers = peers
         peer_server = aio.server(options=self._grpc_options())
         peer_server.add_generic_rpc_handlers((peer_handler(cluster_log.deliver, self._forwarded),))
-        for url in cfg.listen_peer_urls:
-            address = url_to_address(url)
-            try:
-                port = peer_server.add_insecure_port(address)
-            except RuntimeError as e:
-                raise StartupError(f"cannot listen on {address}: address in use") from e
-            if port == 0:
-                raise StartupError(f"cannot listen on {address}: address in use or unavailable")
+        self._bind(peer_server, cfg.listen_peer_urls, "peer")
         await peer_server.start()
         self.peer_server = peer_server
         cluster_log.on_leader_change = self._leader_changed

@@ -13,20 +13,9 @@ import grpc
 import pytest
 
 from etcdserverpb import rpc_pb2, rpc_pb2_grpc
-from tests.support.processes import REPO_ROOT, ServerProcess, free_port, wait_ready
+from tests.support.processes import REPO_ROOT, ServerProcess, free_port, run_cli, wait_ready
 
 pytestmark = pytest.mark.integration
-
-
-def run_cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "queue_server.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=REPO_ROOT,
-        env={**os.environ, **(env or {})},
-    )
 
 
 def put_and_get(endpoint: str, key: bytes, value: bytes | None) -> rpc_pb2.RangeResponse:

@@ -30,12 +30,16 @@ class Member(ServerProcess):
         peer_port: int,
         cluster_args: list[str],
         listen_peer_port: int | None = None,
+        peer_scheme: str = "http",
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         """`peer_port` is the advertised one; the member listens on
-        `listen_peer_port` when a proxy stands in between."""
+        `listen_peer_port` when a proxy stands in between. `peer_scheme` https
+        needs the --peer-* TLS flags in `cluster_args`; `credentials`, an https
+        client URL (see `ServerProcess`)."""
         self.peer_port = peer_port
-        peer = f"http://127.0.0.1:{peer_port}"
-        listen = f"http://127.0.0.1:{listen_peer_port or peer_port}"
+        peer = f"{peer_scheme}://127.0.0.1:{peer_port}"
+        listen = f"{peer_scheme}://127.0.0.1:{listen_peer_port or peer_port}"
         super().__init__(
             data_dir,
             extra_args=[
@@ -45,6 +49,7 @@ class Member(ServerProcess):
                 peer,
                 *cluster_args,
             ],
+            credentials=credentials,
         )
         self.stopped = False
 
@@ -64,7 +69,7 @@ class Member(ServerProcess):
         self.stopped = False
 
     def status(self, timeout: float = 2.0) -> rpc_pb2.StatusResponse:
-        with grpc.insecure_channel(self.endpoint) as ch:
+        with self.channel() as ch:
             return rpc_pb2_grpc.MaintenanceStub(ch).Status(rpc_pb2.StatusRequest(), timeout=timeout)
 
 
@@ -77,12 +82,16 @@ class Cluster:
         size: int = 3,
         extra_args: list[str] | None = None,
         proxied: bool = False,
+        peer_scheme: str = "http",
+        member_args: dict[str, list[str]] | None = None,
     ) -> None:
         """With `proxied`, each member's peer traffic comes in through a
-        `PeerProxy` (see `proxy_of`), so a test can cut a member off."""
+        `PeerProxy` (see `proxy_of`), so a test can cut a member off. With
+        `peer_scheme` https the --peer-* TLS flags go in `extra_args`;
+        `member_args` (by name, n1...) come after them, so they win."""
         names = [f"n{i + 1}" for i in range(size)]
         peers = {name: free_port() for name in names}
-        initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in peers.items())
+        initial = ",".join(f"{n}={peer_scheme}://127.0.0.1:{p}" for n, p in peers.items())
         args = ["--initial-cluster", initial, "--initial-cluster-token", "test-cluster"]
         args += list(extra_args or [])
         self.proxies: dict[str, PeerProxy] = {}
@@ -92,7 +101,8 @@ class Cluster:
             if proxied:
                 listen = free_port()
                 self.proxies[name] = PeerProxy(peers[name], listen).start()
-            self.members.append(Member(root / name, peers[name], args, listen))
+            own = args + (member_args or {}).get(name, [])
+            self.members.append(Member(root / name, peers[name], own, listen, peer_scheme))
 
     def proxy_of(self, member: Member) -> PeerProxy:
         return self.proxies[member.data_dir.name]
@@ -102,13 +112,17 @@ class Cluster:
         return ",".join(m.endpoint for m in self.members)
 
     def start(self) -> Cluster:
+        self.start_members()
+        self.wait_leader()
+        return self
+
+    def start_members(self) -> None:
+        """Start every member and wait until each serves clients (not for a leader)."""
         for m in self.members:
             m.start(wait=False)
         for m in self.members:
             assert m.proc is not None
-            wait_ready(m.endpoint, m.proc)
-        self.wait_leader()
-        return self
+            wait_ready(m.endpoint, m.proc, credentials=m.credentials)
 
     def stop(self) -> None:
         for proxy in self.proxies.values():

@@ -31,16 +31,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def open_channel(endpoint: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    """A channel to `endpoint`: TLS with `credentials`, plain without."""
+    if credentials is None:
+        return grpc.insecure_channel(endpoint)
+    return grpc.secure_channel(endpoint, credentials)
+
+
 def wait_ready(
-    endpoint: str, proc: subprocess.Popen[bytes] | None, timeout: float = READY_TIMEOUT
+    endpoint: str,
+    proc: subprocess.Popen[bytes] | None,
+    timeout: float = READY_TIMEOUT,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> None:
-    """Block until the server at `endpoint` answers Status (or fail)."""
+    """Block until the server at `endpoint` answers Status (or fail); a TLS
+    server is asked over TLS with `credentials`."""
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
-        with grpc.insecure_channel(endpoint) as ch:
+        with open_channel(endpoint, credentials) as ch:
             try:
                 grpc.channel_ready_future(ch).result(timeout=1.0)
                 rpc_pb2_grpc.MaintenanceStub(ch).Status(rpc_pb2.StatusRequest(), timeout=2.0)
@@ -50,15 +61,34 @@ def wait_ready(
     raise TimeoutError(f"server at {endpoint} not ready after {timeout}s: {last}")
 
 
+def run_cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`queue-server ARGS` to its end (bounded): for startup failures and restore."""
+    return subprocess.run(
+        [sys.executable, "-m", "queue_server.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=REPO_ROOT,
+        env={**os.environ, **(env or {})},
+    )
+
+
 class ServerProcess:
     """Our server, run as `python -m queue_server.cli` in its own process."""
 
     def __init__(
-        self, data_dir: Path, port: int | None = None, extra_args: list[str] | None = None
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        extra_args: list[str] | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
+        """With `credentials` the client URL is https (the TLS flags go in
+        `extra_args`) and readiness is asked over TLS with them."""
         self.data_dir = data_dir
         self.port = port or free_port()
         self.extra_args = list(extra_args or [])
+        self.credentials = credentials
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
 
@@ -66,8 +96,17 @@ class ServerProcess:
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def url(self) -> str:
+        scheme = "http" if self.credentials is None else "https"
+        return f"{scheme}://{self.endpoint}"
+
+    def channel(self) -> grpc.Channel:
+        """A channel to the client URL (TLS when the server serves https)."""
+        return open_channel(self.endpoint, self.credentials)
+
     def command(self) -> list[str]:
-        url = f"http://{self.endpoint}"
+        url = self.url
         return [
             sys.executable,
             "-m",
@@ -93,7 +132,7 @@ class ServerProcess:
                 env=os.environ.copy(),
             )
         if wait:
-            wait_ready(self.endpoint, self.proc)
+            wait_ready(self.endpoint, self.proc, credentials=self.credentials)
         return self
 
     def stop(self) -> int:

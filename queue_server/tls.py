@@ -1,0 +1,170 @@
+"""TLS on the client and peer URLs: loading credentials, and who a client is.
+
+What belongs here: reading and checking the PEM files named by etcd's TLS flags
+(`--cert-file`, `--key-file`, `--trusted-ca-file`, `--client-cert-auth` and their
+`--peer-*` twins), turning them into gRPC credentials for the listeners and for
+the channels to the other members, and reading a caller's certificate identity.
+No I/O besides reading those files; no server state. Imports grpc and
+`queue_server.config`, nothing else of ours.
+
+Theory of operation, as etcd 3.5:
+
+- An `https://` listen URL is served with the side's certificate and key; an
+  `http://` one stays plain (given certificate flags are then ignored with a
+  warning, as etcd warns).
+- With `--client-cert-auth` (`--peer-client-cert-auth`) the TLS handshake refuses
+  a caller without a certificate signed by `--trusted-ca-file`
+  (`--peer-trusted-ca-file`). Without it no certificate is asked for.
+- A member dials `https://` peer URLs verifying the peer's certificate against
+  `--peer-trusted-ca-file` (the system roots when not given) and presents its own
+  `--peer-cert-file` as the client certificate, so the same certificate is a
+  server and a client certificate.
+- With `--client-cert-auth` the common name (CN) of a client's verified
+  certificate is its user name when auth is enabled: the auth layer asks
+  `client_common_name(context)` when a request carries no token.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+from queue_server.config import Config, TLSFiles, secure_url
+
+COMMON_NAME_KEY = "x509_common_name"
+"""The gRPC auth-context property holding the verified peer certificate's CN."""
+
+
+class TLSError(ValueError):
+    """A TLS file is unreadable or not what its flag needs; the message says which."""
+
+
+class HasAuthContext(Protocol):
+    """A gRPC servicer context (sync or asyncio): all `client_common_name` needs."""
+
+    def auth_context(self) -> Mapping[str, Iterable[bytes]]: ...
+
+
+def client_common_name(context: HasAuthContext) -> str | None:
+    """The CN of the client's verified certificate, or None (plain http, or a
+    listener that asked for no certificate because --client-cert-auth is off).
+
+    gRPC puts the CN in the auth context only after the handshake verified the
+    certificate against --trusted-ca-file, so a name returned here is trusted.
+    etcd uses it as the user name of a request without a token when auth is on;
+    the auth service is meant to call this, it does not yet exist here."""
+    names = list(context.auth_context().get(COMMON_NAME_KEY, ()))
+    if not names:
+        return None
+    name = names[0].decode("utf-8", "replace")
+    return name or None
+
+
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """What the server binds and dials with; None where that side has no TLS files."""
+
+    client_server: grpc.ServerCredentials | None
+    peer_server: grpc.ServerCredentials | None
+    peer_channel: grpc.ChannelCredentials | None
+
+
+def load_credentials(config: Config) -> Credentials:
+    """Read and check the TLS files the config needs; raises TLSError.
+
+    Files of a side with no https listener are not read (etcd ignores them, with
+    the warnings of `ignored_on_http`); the peer channel credentials are made when
+    any member has an https peer URL or peer TLS files are given."""
+    peer = config.peer_tls
+    serves_tls = any(secure_url(u) for u in config.listen_client_urls)
+    peer_serves_tls = any(secure_url(u) for u in config.listen_peer_urls)
+    peer_dials_tls = any(secure_url(u) for _, urls in config.initial_cluster for u in urls)
+    return Credentials(
+        client_server=server_credentials(config.client_tls) if serves_tls else None,
+        peer_server=server_credentials(peer) if peer_serves_tls else None,
+        peer_channel=channel_credentials(peer)
+        if peer_dials_tls or not peer.empty or peer.trusted_ca_file
+        else None,
+    )
+
+
+def server_credentials(files: TLSFiles) -> grpc.ServerCredentials | None:
+    """Credentials for a side's https listeners, or None without cert and key."""
+    if files.empty:
+        return None
+    cert, key = _key_pair(files)
+    ca = _ca(files) if files.trusted_ca_file else None
+    if files.client_cert_auth:
+        if ca is None:  # check_tls refuses this for https URLs already
+            raise TLSError(
+                f"{files.flag('client-cert-auth')} needs {files.flag('trusted-ca-file')}"
+            )
+        return grpc.ssl_server_credentials([(key, cert)], ca, require_client_auth=True)
+    return grpc.ssl_server_credentials([(key, cert)])
+
+
+def channel_credentials(files: TLSFiles) -> grpc.ChannelCredentials:
+    """Credentials for dialling a peer's https URL: verify it against the trusted
+    CA (the system roots when none), and present our certificate if we have one."""
+    ca = _ca(files) if files.trusted_ca_file else None
+    if files.empty:
+        return grpc.ssl_channel_credentials(root_certificates=ca)
+    cert, key = _key_pair(files)
+    return grpc.ssl_channel_credentials(
+        root_certificates=ca, private_key=key, certificate_chain=cert
+    )
+
+
+def ignored_on_http(files: TLSFiles, url: str, kind: str) -> list[str]:
+    """etcd's warnings for an http URL while TLS flags are set (they do not apply)."""
+    if secure_url(url):
+        return []
+    warnings = []
+    if not files.empty:
+        warnings.append(
+            f"scheme is HTTP while key and cert files are present; "
+            f"ignoring key and cert files {kind}_url={url}"
+        )
+    if files.client_cert_auth:
+        warnings.append(
+            f"scheme is HTTP while {files.flag('client-cert-auth')} is enabled; "
+            f"ignoring client cert auth for this URL {kind}_url={url}"
+        )
+    return warnings
+
+
+def _read(path: str, flag: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise TLSError(f"cannot read {flag} {path!r}: {e.strerror}") from e
+
+
+def _key_pair(files: TLSFiles) -> tuple[bytes, bytes]:
+    """(certificate chain, private key), checked to be PEM and to belong together
+    (gRPC would only find out at the first handshake)."""
+    cert = _read(files.cert_file, files.flag("cert-file"))
+    key = _read(files.key_file, files.flag("key-file"))
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(files.cert_file, files.key_file)
+    except (ssl.SSLError, ValueError) as e:
+        raise TLSError(
+            f"{files.flag('cert-file')} {files.cert_file!r} and {files.flag('key-file')} "
+            f"{files.key_file!r} are not a PEM certificate and its private key: {e}"
+        ) from e
+    return cert, key
+
+
+def _ca(files: TLSFiles) -> bytes:
+    flag = files.flag("trusted-ca-file")
+    ca = _read(files.trusted_ca_file, flag)
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=ca.decode("ascii"))
+    except (ssl.SSLError, ValueError) as e:
+        raise TLSError(f"{flag} {files.trusted_ca_file!r} holds no PEM certificate: {e}") from e
+    return ca
