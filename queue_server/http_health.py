@@ -1,10 +1,13 @@
-"""The HTTP listener of --listen-metrics-urls: etcd's `/health`, and `/readyz`, `/livez`.
+"""The HTTP listener of --listen-metrics-urls: etcd's `/health`, `/readyz`, `/livez`,
+Prometheus' `/metrics`, and the queue dashboard (`/` and the JSON it polls,
+`/api/state`).
 
 What belongs here: reading one HTTP/1.1 request head, routing it, the health checks
 themselves, encoding the answer, and the asyncio stream servers that carry them.
 It must not import grpc, `queue_server.server` or the `cluster` package: the
 server hands in what the checks look at (the alarm table, a leader lookup and the
-linearizable-read barrier of its log), so that the checks run against fakes too.
+linearizable-read barrier of its log, the metrics renderer and the dashboard's
+state snapshot), so that the checks run against fakes too.
 
 Theory of operation: a connection carries one request and is closed after the
 answer (`Connection: close`), which every probe client (Docker's healthcheck,
@@ -31,8 +34,10 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from http import HTTPStatus
-from typing import ClassVar
+from importlib import resources
+from typing import Any, ClassVar
 from urllib.parse import parse_qs, urlsplit
 
 from etcdserverpb import rpc_pb2
@@ -155,12 +160,14 @@ class HealthChecker:
         leader_id: Callable[[], int],
         linearize: Callable[[], Awaitable[None]],
         render_metrics: Callable[[], bytes] | None = None,
+        dashboard_state: Callable[[], dict[str, Any]] | None = None,
         range_timeout: float = RANGE_TIMEOUT,
     ) -> None:
         self.alarms = alarms
         self.leader_id = leader_id
         self.linearize = linearize
         self.render_metrics = render_metrics
+        self.dashboard_state = dashboard_state
         self.range_timeout = range_timeout
 
     def check_alarms(self, excluded: Iterable[str]) -> Health:
@@ -230,8 +237,34 @@ async def get_metrics(checker: HealthChecker, request: Request) -> Response:
     )
 
 
+@cache
+def dashboard_page() -> bytes:
+    """The dashboard's HTML, as shipped in the package (`queue_server/static/`)."""
+    return resources.files("queue_server").joinpath("static/dashboard.html").read_bytes()
+
+
+async def get_dashboard(checker: HealthChecker, request: Request) -> Response:
+    if checker.dashboard_state is None:
+        return text_response(HTTPStatus.NOT_FOUND, "404 page not found")
+    return Response(HTTPStatus.OK, dashboard_page(), content_type="text/html; charset=utf-8")
+
+
+async def get_state(checker: HealthChecker, request: Request) -> Response:
+    if checker.dashboard_state is None:
+        return text_response(HTTPStatus.NOT_FOUND, "404 page not found")
+    body = json.dumps(checker.dashboard_state()).encode()
+    return Response(
+        HTTPStatus.OK,
+        body,
+        content_type="application/json",
+        headers=(("Cache-Control", "no-store"),),
+    )
+
+
 Route = Callable[[HealthChecker, Request], Awaitable[Response]]
 ROUTES: Mapping[str, Route] = {
+    "/": get_dashboard,
+    "/api/state": get_state,
     "/health": get_health,
     "/metrics": get_metrics,
     "/livez": get_livez,

@@ -46,6 +46,7 @@ from queue_server.apply import StateMachine
 from queue_server.compactor import CompactionPlanner, parse_retention, run_compactor
 from queue_server.config import GRPC_OVERHEAD_BYTES, Config, secure_url, url_to_address
 from queue_server.cqs.watch_view import CqsWatchConsumers
+from queue_server.dashboard import DashboardSource
 from queue_server.errors import EtcdError, LeaseNotFound
 from queue_server.http_health import HealthChecker, HealthListener, ListenError
 from queue_server.lease.expiry import ExpiryClock
@@ -316,7 +317,18 @@ class Server:
             self._tasks.append(loop.create_task(self.session.run()))
         self.health = HealthListener(
             HealthChecker(
-                self.state.alarms, membership.leader_id, self.log.linearize, self.metrics.render
+                self.state.alarms,
+                membership.leader_id,
+                self.log.linearize,
+                self.metrics.render,
+                DashboardSource(
+                    self.state,
+                    lambda: self.dispatcher,
+                    member_id,
+                    cfg.name,
+                    membership.leader_id,
+                    lambda: [(m.member_id, m.name, m.client_urls) for m in membership.members()],
+                ).snapshot,
             )
         )
         try:
