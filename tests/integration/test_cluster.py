@@ -25,15 +25,6 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 WAIT = 20.0
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path).start()
-    try:
-        yield c
-    finally:
-        c.stop()
-
-
 def kv(member: Member) -> tuple[grpc.Channel, rpc_pb2_grpc.KVStub]:
     ch = grpc.insecure_channel(member.endpoint)
     return ch, rpc_pb2_grpc.KVStub(ch)

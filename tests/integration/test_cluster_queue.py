@@ -11,7 +11,6 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -23,15 +22,6 @@ pytestmark = pytest.mark.integration
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 WAIT = 30.0
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path).start()
-    try:
-        yield c
-    finally:
-        c.stop()
 
 
 def name_of(member: Member) -> bytes:

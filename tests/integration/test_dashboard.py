@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import shutil
-import threading
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
-from etcdserverpb import cqs_pb2, cqs_pb2_grpc, kv_pb2, rpc_pb2, rpc_pb2_grpc
+from etcdserverpb import cqs_pb2, cqs_pb2_grpc, rpc_pb2, rpc_pb2_grpc
 from tests.support.processes import ServerProcess, free_port
+from tests.support.queue_consumer import WatchConsumer
 
 pytestmark = pytest.mark.integration
 
@@ -30,34 +27,6 @@ if CHROMIUM is None:  # pragma: no cover - CI installs Debian's chromium
     pytest.skip("Debian's chromium is not installed", allow_module_level=True)
 
 WAIT_MS = 15_000
-
-
-class Consumer:
-    """A watch on `/q/{queue}/c/{uuid}` in a thread; deliveries land in a queue."""
-
-    def __init__(self, channel: grpc.Channel, name: str) -> None:
-        self.key = f"/q/{name}/c/{uuid.uuid4()}".encode()
-        self.deliveries: queue.Queue[bytes] = queue.Queue()
-        self._stop = threading.Event()
-        self._stream = rpc_pb2_grpc.WatchStub(channel).Watch(self._requests())
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _requests(self) -> Iterator[rpc_pb2.WatchRequest]:
-        yield rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=self.key))
-        self._stop.wait(120)
-
-    def _run(self) -> None:
-        try:
-            for resp in self._stream:
-                for ev in resp.events:
-                    if ev.type == kv_pb2.Event.PUT:
-                        self.deliveries.put(ev.kv.key)
-        except grpc.RpcError:
-            pass
-
-    def close(self) -> None:
-        self._stop.set()
-        self._stream.cancel()
 
 
 def count(kv: rpc_pb2_grpc.KVStub, key: bytes, end: bytes) -> int:
@@ -71,12 +40,12 @@ def test_the_dashboard_shows_the_servers_queues_live(tmp_path: Path) -> None:
         extra_args=["--listen-metrics-urls", f"http://127.0.0.1:{http_port}"],
     ).start()
     channel = grpc.insecure_channel(srv.endpoint)
-    consumer: Consumer | None = None
+    consumer: WatchConsumer | None = None
     try:
         kv = rpc_pb2_grpc.KVStub(channel)
         for i in range(10):
             kv.Put(rpc_pb2.PutRequest(key=b"/q/jobs/p/m%d" % i, value=b"work"), timeout=5)
-        consumer = Consumer(channel, "jobs")
+        consumer = WatchConsumer(channel, "jobs")
         delivered = [consumer.deliveries.get(timeout=10) for _ in range(10)]
         for key in delivered[:4]:
             kv.DeleteRange(rpc_pb2.DeleteRangeRequest(key=key), timeout=5)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import queue
 import threading
 import time
 import uuid
@@ -17,8 +16,9 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from etcdserverpb import cqs_pb2, cqs_pb2_grpc, kv_pb2, rpc_pb2, rpc_pb2_grpc
+from etcdserverpb import cqs_pb2, cqs_pb2_grpc, rpc_pb2, rpc_pb2_grpc
 from tests.support.processes import ServerProcess, free_port
+from tests.support.queue_consumer import WatchConsumer
 
 pytestmark = pytest.mark.integration
 
@@ -69,27 +69,8 @@ def test_metrics_count_rpcs_and_show_the_queues(server: tuple[ServerProcess, int
         # an etcd-key queue: 5 messages, a consumer that takes them and acks 2
         for i in range(5):
             kv.Put(rpc_pb2.PutRequest(key=b"/q/jobs/p/m%d" % i, value=b"x"), timeout=5)
-        received: queue.Queue[bytes] = queue.Queue()
-        stop = threading.Event()
-
-        def requests() -> Iterator[rpc_pb2.WatchRequest]:
-            key = b"/q/jobs/c/" + str(uuid.uuid4()).encode()
-            yield rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=key))
-            stop.wait(30)
-
-        stream = rpc_pb2_grpc.WatchStub(ch).Watch(requests())
-
-        def consume() -> None:
-            try:
-                for resp in stream:
-                    for ev in resp.events:
-                        if ev.type == kv_pb2.Event.PUT:
-                            received.put(ev.kv.key)
-            except grpc.RpcError:
-                pass
-
-        threading.Thread(target=consume, daemon=True).start()
-        delivered = [received.get(timeout=10) for _ in range(5)]
+        consumer = WatchConsumer(ch, "jobs")
+        delivered = [consumer.deliveries.get(timeout=10) for _ in range(5)]
         for key in delivered[:2]:
             kv.DeleteRange(rpc_pb2.DeleteRangeRequest(key=key), timeout=5)
 
@@ -119,7 +100,7 @@ def test_metrics_count_rpcs_and_show_the_queues(server: tuple[ServerProcess, int
                 break
             assert time.monotonic() < deadline, "acks never counted"
             time.sleep(0.05)  # poll the scrape, bounded
-        stop.set()
+        consumer.close()
 
     put = {"grpc_type": "unary", "grpc_service": "etcdserverpb.KV", "grpc_method": "Put"}
     assert value(m, "grpc_server_handled_total", **put, grpc_code="OK") == 13
