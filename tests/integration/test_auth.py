@@ -295,6 +295,35 @@ def test_auth_service_rules_and_errors(server: ServerProcess) -> None:
             c.close()
 
 
+def test_streaming_rpcs_are_guarded(server: ServerProcess) -> None:
+    """Server-streaming (Snapshot, Observe) and client-streaming (ReEnqueue, checked
+    on its header) methods go through the same rules."""
+    root = login(server.endpoint, "root", "rootpw")
+    alice = login(server.endpoint, "alice", "alicepw")
+    bob = login(server.endpoint, "bob", "bobpw")
+    try:
+        snapshot = rpc_pb2.SnapshotRequest()
+        denied(lambda: next(iter(alice.maintenance.Snapshot(snapshot, timeout=WAIT))))
+        assert next(iter(root.maintenance.Snapshot(snapshot, timeout=WAIT))).blob
+        observe = v3election_pb2.LeaderRequest(name=b"el")
+        denied(lambda: next(iter(bob.election.Observe(observe, timeout=WAIT))))
+
+        def reenqueue(c: Client) -> object:
+            frames = [
+                cqs_pb2.ReEnqueueRequest(
+                    header=cqs_pb2.ReEnqueueRequest.Header(queue_name="cq", ack_token="t")
+                ),
+                cqs_pb2.ReEnqueueRequest(footer=cqs_pb2.ReEnqueueRequest.Footer()),
+            ]
+            return c.cqs.ReEnqueue(iter(frames), timeout=WAIT)
+
+        denied(lambda: reenqueue(bob))
+        assert status(lambda: reenqueue(alice))[0] != grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        for c in (root, alice, bob):
+            c.close()
+
+
 def _watch_outcome(c: Client, key: bytes) -> tuple[grpc.StatusCode, str]:
     stream = WatchStream(c.channel)
     try:
