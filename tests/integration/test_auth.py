@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from etcdserverpb import (
     v3lock_pb2_grpc,
 )
 from tests.integration.test_queue import WatchStream, consumer_key, new_id
+from tests.support.cluster import Cluster
 from tests.support.processes import ServerProcess
 
 pytestmark = pytest.mark.integration
@@ -521,3 +523,45 @@ def test_auth_state_survives_kill_9(tmp_path: Path) -> None:
         alice.close()
     finally:
         srv.stop()
+
+
+def _login_when_replicated(endpoint: str, name: str, password: str) -> Client:
+    """Log in on a member once the auth changes reached it (bounded)."""
+    deadline = time.monotonic() + WAIT
+    while True:
+        try:
+            return login(endpoint, name, password)
+        except grpc.RpcError:
+            if time.monotonic() > deadline:
+                raise
+
+
+def test_auth_replicates_to_every_member(tmp_path: Path) -> None:
+    """Users, roles and the enabled flag travel through the Raft log; tokens are
+    the issuing member's own."""
+    cluster = Cluster(tmp_path, extra_args=FAST_BCRYPT).start()
+    try:
+        first, other = cluster.members[0], cluster.members[2]
+        c = Client(first.endpoint)
+        setup_auth(c)
+        c.close()
+        alice = _login_when_replicated(other.endpoint, "alice", "alicepw")
+        alice.kv.Put(rpc_pb2.PutRequest(key=b"app/replicated", value=b"v"), timeout=WAIT)
+        denied(lambda: alice.kv.Put(rpc_pb2.PutRequest(key=b"other", value=b"v"), timeout=WAIT))
+        alice.close()
+        anon = Client(first.endpoint)
+        token = anon.auth.Authenticate(
+            rpc_pb2.AuthenticateRequest(name="alice", password="alicepw"), timeout=WAIT
+        ).token
+        anon.close()
+        here, elsewhere = Client(first.endpoint, token), Client(other.endpoint, token)
+        here.kv.Range(rpc_pb2.RangeRequest(key=b"app/replicated"), timeout=WAIT)
+        # simple tokens are node-local: another member does not know it
+        assert status(lambda: elsewhere.kv.Range(rpc_pb2.RangeRequest(key=b"app/x"))) == (
+            grpc.StatusCode.UNAUTHENTICATED,
+            "etcdserver: invalid auth token",
+        )
+        here.close()
+        elsewhere.close()
+    finally:
+        cluster.stop()

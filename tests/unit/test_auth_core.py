@@ -259,3 +259,22 @@ def test_tokens_expire_renew_and_void() -> None:
     m.ok(auth_disable=rpc_pb2.AuthDisableRequest())
     m.ok(auth_enable=rpc_pb2.AuthEnableRequest())
     assert tokens.user_of(t) is None and tokens.user_of(r) is None  # disable voids all
+
+
+def test_guarded_methods_exist_and_cover_every_key_rpc() -> None:
+    """Every rule names a real method, and every method of the key-touching
+    services has a rule (so a new RPC cannot slip past auth unnoticed)."""
+    from etcdserverpb import cqs_pb2, v3election_pb2, v3lock_pb2
+    from queue_server.api.auth_gate import METHOD_RULES
+
+    methods = {
+        f"/{service.full_name}/{m.name}"
+        for module in (rpc_pb2, v3lock_pb2, v3election_pb2, cqs_pb2)
+        for service in module.DESCRIPTOR.services_by_name.values()
+        for m in service.methods
+    }
+    assert set(METHOD_RULES) <= methods, set(METHOD_RULES) - methods
+    unguarded = {
+        "/etcdserverpb.KV/" + name for name in ("Range", "Put", "DeleteRange", "Txn", "Compact")
+    } | {m for m in methods if m.startswith(("/v3lockpb.", "/v3electionpb.", "/dtoflow."))}
+    assert unguarded <= set(METHOD_RULES), unguarded - set(METHOD_RULES)
