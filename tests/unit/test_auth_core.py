@@ -278,3 +278,16 @@ def test_guarded_methods_exist_and_cover_every_key_rpc() -> None:
         "/etcdserverpb.KV/" + name for name in ("Range", "Put", "DeleteRange", "Txn", "Compact")
     } | {m for m in methods if m.startswith(("/v3lockpb.", "/v3electionpb.", "/dtoflow."))}
     assert unguarded <= set(METHOD_RULES), unguarded - set(METHOD_RULES)
+
+
+def test_auth_flags_and_variables() -> None:
+    from queue_server.config import ConfigError, parse_config
+
+    default = parse_config([], environ={})
+    assert (default.auth_token, default.auth_token_ttl, default.bcrypt_cost) == ("simple", 300, 10)
+    cfg = parse_config(["--auth-token-ttl", "30"], environ={"ETCD_BCRYPT_COST": "4"})
+    assert (cfg.auth_token_ttl, cfg.bcrypt_cost) == (30, 4)
+    assert parse_config([], environ={"ETCD_AUTH_TOKEN_TTL": "7"}).auth_token_ttl == 7
+    for argv in (["--auth-token", "jwt"], ["--auth-token-ttl", "0"], ["--bcrypt-cost", "3"]):
+        with pytest.raises(ConfigError):
+            parse_config(argv, environ={})
