@@ -520,6 +520,13 @@ def test_auth_state_survives_kill_9(tmp_path: Path) -> None:
         alice = login(srv.endpoint, "alice", "alicepw")
         alice.kv.Put(rpc_pb2.PutRequest(key=b"app/after", value=b"v"), timeout=WAIT)
         denied(lambda: alice.kv.Put(rpc_pb2.PutRequest(key=b"other", value=b"v"), timeout=WAIT))
+        denied(lambda: alice.auth.AuthDisable(rpc_pb2.AuthDisableRequest(), timeout=WAIT))
+        root = login(srv.endpoint, "root", "rootpw")
+        root.auth.AuthDisable(rpc_pb2.AuthDisableRequest(), timeout=WAIT)
+        root.close()
+        # disabled: a token still sent is ignored, everything is allowed
+        alice.kv.Put(rpc_pb2.PutRequest(key=b"other", value=b"v"), timeout=WAIT)
+        alice.auth.UserList(rpc_pb2.AuthUserListRequest(), timeout=WAIT)
         alice.close()
     finally:
         srv.stop()
