@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Command(_message.Message):
-    __slots__ = ("put", "delete_range", "txn", "compaction", "lease_grant", "lease_revoke", "alarm", "queue_requeue", "cqs_dequeue", "cqs_settle", "cqs_enqueue", "member_attributes")
+    __slots__ = ("put", "delete_range", "txn", "compaction", "lease_grant", "lease_revoke", "alarm", "queue_requeue", "cqs_dequeue", "cqs_settle", "cqs_enqueue", "member_attributes", "auth")
     PUT_FIELD_NUMBER: _ClassVar[int]
     DELETE_RANGE_FIELD_NUMBER: _ClassVar[int]
     TXN_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class Command(_message.Message):
     CQS_SETTLE_FIELD_NUMBER: _ClassVar[int]
     CQS_ENQUEUE_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
     put: _rpc_pb2.PutRequest
     delete_range: _rpc_pb2.DeleteRangeRequest
     txn: _rpc_pb2.TxnRequest
@@ -34,7 +35,34 @@ class Command(_message.Message):
     cqs_settle: CqsSettle
     cqs_enqueue: CqsEnqueue
     member_attributes: MemberAttributes
-    def __init__(self, put: _Optional[_Union[_rpc_pb2.PutRequest, _Mapping]] = ..., delete_range: _Optional[_Union[_rpc_pb2.DeleteRangeRequest, _Mapping]] = ..., txn: _Optional[_Union[_rpc_pb2.TxnRequest, _Mapping]] = ..., compaction: _Optional[_Union[_rpc_pb2.CompactionRequest, _Mapping]] = ..., lease_grant: _Optional[_Union[_rpc_pb2.LeaseGrantRequest, _Mapping]] = ..., lease_revoke: _Optional[_Union[_rpc_pb2.LeaseRevokeRequest, _Mapping]] = ..., alarm: _Optional[_Union[_rpc_pb2.AlarmRequest, _Mapping]] = ..., queue_requeue: _Optional[_Union[QueueRequeue, _Mapping]] = ..., cqs_dequeue: _Optional[_Union[CqsDequeue, _Mapping]] = ..., cqs_settle: _Optional[_Union[CqsSettle, _Mapping]] = ..., cqs_enqueue: _Optional[_Union[CqsEnqueue, _Mapping]] = ..., member_attributes: _Optional[_Union[MemberAttributes, _Mapping]] = ...) -> None: ...
+    auth: AuthCommand
+    def __init__(self, put: _Optional[_Union[_rpc_pb2.PutRequest, _Mapping]] = ..., delete_range: _Optional[_Union[_rpc_pb2.DeleteRangeRequest, _Mapping]] = ..., txn: _Optional[_Union[_rpc_pb2.TxnRequest, _Mapping]] = ..., compaction: _Optional[_Union[_rpc_pb2.CompactionRequest, _Mapping]] = ..., lease_grant: _Optional[_Union[_rpc_pb2.LeaseGrantRequest, _Mapping]] = ..., lease_revoke: _Optional[_Union[_rpc_pb2.LeaseRevokeRequest, _Mapping]] = ..., alarm: _Optional[_Union[_rpc_pb2.AlarmRequest, _Mapping]] = ..., queue_requeue: _Optional[_Union[QueueRequeue, _Mapping]] = ..., cqs_dequeue: _Optional[_Union[CqsDequeue, _Mapping]] = ..., cqs_settle: _Optional[_Union[CqsSettle, _Mapping]] = ..., cqs_enqueue: _Optional[_Union[CqsEnqueue, _Mapping]] = ..., member_attributes: _Optional[_Union[MemberAttributes, _Mapping]] = ..., auth: _Optional[_Union[AuthCommand, _Mapping]] = ...) -> None: ...
+
+class AuthCommand(_message.Message):
+    __slots__ = ("auth_enable", "auth_disable", "user_add", "user_delete", "user_change_password", "user_grant_role", "user_revoke_role", "role_add", "role_delete", "role_grant_permission", "role_revoke_permission")
+    AUTH_ENABLE_FIELD_NUMBER: _ClassVar[int]
+    AUTH_DISABLE_FIELD_NUMBER: _ClassVar[int]
+    USER_ADD_FIELD_NUMBER: _ClassVar[int]
+    USER_DELETE_FIELD_NUMBER: _ClassVar[int]
+    USER_CHANGE_PASSWORD_FIELD_NUMBER: _ClassVar[int]
+    USER_GRANT_ROLE_FIELD_NUMBER: _ClassVar[int]
+    USER_REVOKE_ROLE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_ADD_FIELD_NUMBER: _ClassVar[int]
+    ROLE_DELETE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_GRANT_PERMISSION_FIELD_NUMBER: _ClassVar[int]
+    ROLE_REVOKE_PERMISSION_FIELD_NUMBER: _ClassVar[int]
+    auth_enable: _rpc_pb2.AuthEnableRequest
+    auth_disable: _rpc_pb2.AuthDisableRequest
+    user_add: _rpc_pb2.AuthUserAddRequest
+    user_delete: _rpc_pb2.AuthUserDeleteRequest
+    user_change_password: _rpc_pb2.AuthUserChangePasswordRequest
+    user_grant_role: _rpc_pb2.AuthUserGrantRoleRequest
+    user_revoke_role: _rpc_pb2.AuthUserRevokeRoleRequest
+    role_add: _rpc_pb2.AuthRoleAddRequest
+    role_delete: _rpc_pb2.AuthRoleDeleteRequest
+    role_grant_permission: _rpc_pb2.AuthRoleGrantPermissionRequest
+    role_revoke_permission: _rpc_pb2.AuthRoleRevokePermissionRequest
+    def __init__(self, auth_enable: _Optional[_Union[_rpc_pb2.AuthEnableRequest, _Mapping]] = ..., auth_disable: _Optional[_Union[_rpc_pb2.AuthDisableRequest, _Mapping]] = ..., user_add: _Optional[_Union[_rpc_pb2.AuthUserAddRequest, _Mapping]] = ..., user_delete: _Optional[_Union[_rpc_pb2.AuthUserDeleteRequest, _Mapping]] = ..., user_change_password: _Optional[_Union[_rpc_pb2.AuthUserChangePasswordRequest, _Mapping]] = ..., user_grant_role: _Optional[_Union[_rpc_pb2.AuthUserGrantRoleRequest, _Mapping]] = ..., user_revoke_role: _Optional[_Union[_rpc_pb2.AuthUserRevokeRoleRequest, _Mapping]] = ..., role_add: _Optional[_Union[_rpc_pb2.AuthRoleAddRequest, _Mapping]] = ..., role_delete: _Optional[_Union[_rpc_pb2.AuthRoleDeleteRequest, _Mapping]] = ..., role_grant_permission: _Optional[_Union[_rpc_pb2.AuthRoleGrantPermissionRequest, _Mapping]] = ..., role_revoke_permission: _Optional[_Union[_rpc_pb2.AuthRoleRevokePermissionRequest, _Mapping]] = ...) -> None: ...
 
 class QueueRequeue(_message.Message):
     __slots__ = ("queue", "idx", "consumer")

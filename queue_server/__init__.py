@@ -13,6 +13,8 @@ Map of the package (imports point down this list, never up):
 - `mq/`       the etcd-key queue: key grammar, replicated queue state, dispatcher.
 - `cqs/`      the Change Queue Service: per-queue SLA tree, replicated CQS state,
               the etcd watch view of CQS queues.
+- `auth/`     users, roles, permissions (replicated), the permission checker,
+              simple tokens; `api/auth.py` and `api/auth_gate.py` are its wire side.
 - `lease/`, `recipes/`, `watch/` leases and their clock, server-side lock and
               election recipes, the watch hub.
 - `storage/`  the single-node durable log (WAL + group commit), snapshots, recovery.

@@ -21,6 +21,7 @@ from google.protobuf.message import Message
 
 from etcdserverpb import internal_pb2, rpc_pb2
 from queue_server.alarms import AlarmTable
+from queue_server.auth.store import AuthStore
 from queue_server.cqs import commands as cqs_commands
 from queue_server.cqs.state import CqsState
 from queue_server.errors import EtcdError, NoSpace
@@ -66,6 +67,7 @@ class StateMachine:
     def __init__(self) -> None:
         self.lessor = Lessor()
         self.alarms = AlarmTable()
+        self.auth = AuthStore()
         self.cqs = CqsState()
         # member id -> (name, peer URLs, client URLs), as members published them
         self.members: dict[int, tuple[str, tuple[str, ...], tuple[str, ...]]] = {}
@@ -142,6 +144,8 @@ class StateMachine:
                 m = command.member_attributes
                 self.members[m.id] = (m.name, tuple(m.peer_urls), tuple(m.client_urls))
                 return m
+            if kind == "auth":
+                return self.auth.apply(command.auth)
             if kind == "alarm":
                 resp = self.alarms.apply(command.alarm)
                 resp.header.revision = self.store.revision
@@ -194,6 +198,7 @@ class StateMachine:
             "queues": self.queues.export_state(),
             "cqs": self.cqs.export_state(),
             "members": dict(self.members),
+            "auth": self.auth.export_state(),
         }
 
     def restore_state(self, state: dict[str, Any]) -> None:
@@ -205,6 +210,7 @@ class StateMachine:
         self.queues.restore_state(state["queues"], self.store)
         self.cqs.restore_state(state.get("cqs", []))
         self.members = dict(state.get("members", {}))
+        self.auth.restore_state(state.get("auth"))
         self.applied_index = state["applied_index"]
 
 

@@ -56,6 +56,9 @@ class Config:
     listen_metrics_urls: tuple[str, ...] = ()
     client_tls: TLSFiles = field(default_factory=lambda: TLSFiles())
     peer_tls: TLSFiles = field(default_factory=lambda: TLSFiles())
+    auth_token: str = "simple"
+    auth_token_ttl: int = 300
+    bcrypt_cost: int = 10
 
     @property
     def clustered(self) -> bool:
@@ -262,6 +265,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_tls_flags(p, "", "client")
     _add_tls_flags(p, "peer-", "peer")
+    add("--auth-token", default="simple", help="auth token type: only 'simple' is supported")
+    add(
+        "--auth-token-ttl",
+        type=int,
+        default=300,
+        help="seconds a simple token lives after its last use",
+    )
+    add("--bcrypt-cost", type=int, default=10, help="bcrypt cost of hashed passwords (4-31)")
     return p
 
 
@@ -395,6 +406,9 @@ def parse_config(
         listen_metrics_urls=_csv(a.listen_metrics_urls),
         client_tls=_tls_files(a, ""),
         peer_tls=_tls_files(a, "peer-"),
+        auth_token=a.auth_token,
+        auth_token_ttl=a.auth_token_ttl,
+        bcrypt_cost=a.bcrypt_cost,
     )
     names = [name for name, _ in config.initial_cluster]
     if config.name not in names:
@@ -403,6 +417,12 @@ def parse_config(
         )
     if config.cqs_visibility_timeout <= 0:
         raise ConfigError("--cqs-visibility-timeout must be positive")
+    if config.auth_token.split(",")[0] != "simple":
+        raise ConfigError(f"--auth-token {config.auth_token!r}: only 'simple' is supported")
+    if config.auth_token_ttl <= 0:
+        raise ConfigError("--auth-token-ttl must be positive")
+    if not 4 <= config.bcrypt_cost <= 31:
+        raise ConfigError("--bcrypt-cost must be between 4 and 31")
     config.listen_addresses()  # fail early on a bad URL
     config.metrics_addresses()
     check_tls(config.client_tls, config.listen_client_urls, "client")

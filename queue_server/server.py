@@ -32,6 +32,8 @@ from etcdserverpb import (
     v3election_pb2_grpc,
     v3lock_pb2_grpc,
 )
+from queue_server.api.auth import AuthService
+from queue_server.api.auth_gate import AuthGate, AuthorizingHandlers
 from queue_server.api.cqs import CqsService, QueueWaiters
 from queue_server.api.election import ElectionService
 from queue_server.api.header import HeaderFiller
@@ -43,6 +45,7 @@ from queue_server.api.observer import RpcObserver
 from queue_server.api.registry import GenericHandlersOnly
 from queue_server.api.watch import WatchService, run_progress_notifier
 from queue_server.apply import StateMachine
+from queue_server.auth.tokens import SimpleTokens
 from queue_server.compactor import CompactionPlanner, parse_retention, run_compactor
 from queue_server.config import GRPC_OVERHEAD_BYTES, Config, secure_url, url_to_address
 from queue_server.cqs.watch_view import CqsWatchConsumers
@@ -218,7 +221,13 @@ class Server:
         server = aio.server(options=self._grpc_options(), interceptors=[observer])
         writes = QuotaGuard(self.log, self.state, cfg.quota_backend_bytes, member_id)
         ids = LeaseIdGenerator(member_id)
-        services = GenericHandlersOnly(server)
+        # Auth: every service is registered through the gate, which guards the
+        # methods that need a permission (queue_server/api/auth_gate.py).
+        auth = AuthGate(self.state, SimpleTokens(self.state.auth, cfg.auth_token_ttl))
+        services = AuthorizingHandlers(GenericHandlersOnly(server), auth)
+        rpc_pb2_grpc.add_AuthServicer_to_server(
+            AuthService(auth, writes, header, cfg.bcrypt_cost), services
+        )
         rpc_pb2_grpc.add_KVServicer_to_server(
             KVService(self.state, writes, header, cfg.max_txn_ops), services
         )
@@ -266,7 +275,9 @@ class Server:
             dispatcher_on_commit(revision, events)
 
         self.state.commit_listener = on_commit
-        rpc_pb2_grpc.add_WatchServicer_to_server(WatchService(self.watch_hub, header), services)
+        rpc_pb2_grpc.add_WatchServicer_to_server(
+            WatchService(self.watch_hub, header, auth.watch_permitted), services
+        )
         rpc_pb2_grpc.add_LeaseServicer_to_server(
             LeaseService(self.state, writes, self.expiry, header, ids, self.dispatcher), services
         )

@@ -55,8 +55,8 @@ def client_common_name(context: HasAuthContext) -> str | None:
 
     gRPC puts the CN in the auth context only after the handshake verified the
     certificate against --trusted-ca-file, so a name returned here is trusted.
-    etcd uses it as the user name of a request without a token when auth is on;
-    the auth service is meant to call this, it does not yet exist here."""
+    etcd uses it as the user name of a request without a token when auth is on,
+    and so does `queue_server/api/auth_gate.py`."""
     names = list(context.auth_context().get(COMMON_NAME_KEY, ()))
     if not names:
         return None

@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from grpc import aio
 
 from etcdserverpb import rpc_pb2, rpc_pb2_grpc
 from queue_server.api.header import HeaderFiller
+from queue_server.auth.errors import PermissionDenied
 from queue_server.watch.hub import WatchHub, WatchStream
 
 log = logging.getLogger(__name__)
@@ -30,16 +31,25 @@ DEFAULT_PROGRESS_INTERVAL = 600.0
 class WatchService(rpc_pb2_grpc.WatchServicer):
     """Serves Watch streams from one `WatchHub`."""
 
-    def __init__(self, hub: WatchHub, header: HeaderFiller) -> None:
+    def __init__(
+        self,
+        hub: WatchHub,
+        header: HeaderFiller,
+        permitted: Callable[[Context, rpc_pb2.WatchCreateRequest], bool] | None = None,
+    ) -> None:
         self.hub = hub
         self.header = header
+        # Auth (queue_server.api.auth_gate): may this stream's user watch that range?
+        self.permitted = permitted
 
     async def Watch(
         self, request_iterator: AsyncIterator[rpc_pb2.WatchRequest], context: Context
     ) -> None:
         wake = asyncio.Event()
         stream = self.hub.open_stream(wake.set)
-        reader = asyncio.get_running_loop().create_task(self._read(request_iterator, stream))
+        reader = asyncio.get_running_loop().create_task(
+            self._read(request_iterator, stream, context)
+        )
         reader.add_done_callback(lambda _: wake.set())
         try:
             await self._write(stream, wake, reader, context)
@@ -50,13 +60,17 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
             self.hub.close_stream(stream)
 
     async def _read(
-        self, requests: AsyncIterator[rpc_pb2.WatchRequest], stream: WatchStream
+        self, requests: AsyncIterator[rpc_pb2.WatchRequest], stream: WatchStream, context: Context
     ) -> None:
         hub = self.hub
+        permitted = self.permitted
         async for req in requests:
             kind = req.WhichOneof("request_union")
             if kind == "create_request":
-                hub.create(stream, req.create_request)
+                if permitted is not None and not permitted(context, req.create_request):
+                    stream.push(_refused(req.create_request, hub.store.revision))
+                else:
+                    hub.create(stream, req.create_request)
             elif kind == "cancel_request":
                 hub.cancel(stream, req.cancel_request.watch_id)
             elif kind == "progress_request":
@@ -89,6 +103,19 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
                 return  # the client closed its side (or the stream broke)
             wake.clear()
             await wake.wait()
+
+
+def _refused(request: rpc_pb2.WatchCreateRequest, revision: int) -> rpc_pb2.WatchResponse:
+    """etcd 3.5's answer to a watch the user may not read: created and canceled at
+    once, with the request's watch id; the stream stays open."""
+    response = rpc_pb2.WatchResponse(
+        watch_id=request.watch_id,
+        created=True,
+        canceled=True,
+        cancel_reason=PermissionDenied.message,
+    )
+    response.header.revision = revision
+    return response
 
 
 async def run_progress_notifier(hub: WatchHub, interval: float) -> None:

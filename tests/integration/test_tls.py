@@ -249,3 +249,45 @@ def test_bad_tls_config_fails_at_startup(tmp_path: Path, pki: Pki, case: str, me
     assert r.returncode == 1
     assert message in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_the_client_certificate_cn_is_the_user_under_auth(tmp_path: Path, pki: Pki) -> None:
+    """With --client-cert-auth and auth enabled, a call without a token is made by
+    the user its certificate's CN names, with that user's permissions (etcd's
+    AuthInfoFromTLS)."""
+    srv = ServerProcess(
+        tmp_path / "a.etcd",
+        extra_args=[*client_tls_args(pki, cert_auth=True), "--bcrypt-cost", "4"],
+        credentials=pki.credentials(pki.client),
+    ).start()
+    try:
+        with open_channel(srv.endpoint, pki.credentials(pki.client)) as ch:
+            auth = rpc_pb2_grpc.AuthStub(ch)
+            kv = rpc_pb2_grpc.KVStub(ch)
+            kv.Put(rpc_pb2.PutRequest(key=b"app/x", value=b"1"), timeout=CALL_TIMEOUT)
+            auth.UserAdd(rpc_pb2.AuthUserAddRequest(name="root", password="pw"), timeout=30)
+            auth.UserGrantRole(
+                rpc_pb2.AuthUserGrantRoleRequest(user="root", role="root"), timeout=CALL_TIMEOUT
+            )
+            auth.UserAdd(
+                rpc_pb2.AuthUserAddRequest(name=CLIENT_CN, password="pw2"), timeout=CALL_TIMEOUT
+            )
+            auth.RoleAdd(rpc_pb2.AuthRoleAddRequest(name="reader"), timeout=CALL_TIMEOUT)
+            grant = rpc_pb2.AuthRoleGrantPermissionRequest(name="reader")
+            grant.perm.permType = grant.perm.READ
+            grant.perm.key, grant.perm.range_end = b"app/", b"app0"
+            auth.RoleGrantPermission(grant, timeout=CALL_TIMEOUT)
+            auth.UserGrantRole(
+                rpc_pb2.AuthUserGrantRoleRequest(user=CLIENT_CN, role="reader"),
+                timeout=CALL_TIMEOUT,
+            )
+            auth.AuthEnable(rpc_pb2.AuthEnableRequest(), timeout=CALL_TIMEOUT)
+
+            got = kv.Range(rpc_pb2.RangeRequest(key=b"app/x"), timeout=CALL_TIMEOUT)
+            assert [kv_.value for kv_ in got.kvs] == [b"1"]
+            with pytest.raises(grpc.RpcError) as err:
+                kv.Put(rpc_pb2.PutRequest(key=b"app/x", value=b"2"), timeout=CALL_TIMEOUT)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert err.value.details() == "etcdserver: permission denied"
+    finally:
+        srv.stop()

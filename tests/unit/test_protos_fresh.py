@@ -128,6 +128,7 @@ def test_internal_command_oneof() -> None:
         "cqs_settle": 10,
         "cqs_enqueue": 11,
         "member_attributes": 12,
+        "auth": 13,
     }
 
 

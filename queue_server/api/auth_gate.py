@@ -1,0 +1,302 @@
+"""Enforcement of auth on the wire: who is calling, and may they make this call.
+
+Who: `AuthGate.user_of(context)` reads the simple token from the gRPC metadata
+key `token` (what etcdctl, clientv3 and python etcd3 send; `authorization` is
+etcd's gateway spelling, also accepted). A token that is unknown, expired or
+void is `etcdserver: invalid auth token` (UNAUTHENTICATED), on which etcd
+clients authenticate again and retry. Without a token, the verified client
+certificate's CN names the user (only a listener with --client-cert-auth asks for
+certificates), as etcd does.
+
+Whether: `METHOD_RULES` maps each guarded method (its full gRPC path) to a small
+function that asks `queue_server.auth.perms.Checker`. `AuthorizingHandlers`
+stands between the generated `add_*Servicer_to_server` calls and the server and
+wraps each guarded method's behaviour with its rule, so the services themselves
+stay unaware of auth; while auth is disabled a call pays one attribute read.
+Watch is the exception: a refused watch is a canceled-watch response on a live
+stream, so `WatchService` asks `AuthGate.watch_permitted` per create request.
+
+Checks run on the member serving the call, against its applied auth state,
+before anything is proposed (etcd checks again at apply with the auth revision;
+see docs/auth.md).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from grpc import aio
+
+from etcdserverpb import cqs_pb2, rpc_pb2, v3election_pb2, v3lock_pb2
+from queue_server.api.errors import abort
+from queue_server.apply import StateMachine
+from queue_server.auth import errors
+from queue_server.auth.perms import Checker
+from queue_server.auth.store import READ, WRITE
+from queue_server.auth.tokens import SimpleTokens
+from queue_server.errors import EtcdError
+from queue_server.tls import client_common_name
+
+Context = aio.ServicerContext[Any, Any]
+if TYPE_CHECKING:
+    MethodHandler = grpc.RpcMethodHandler[Any, Any]
+    GenericHandler = grpc.GenericRpcHandler[Any, Any]
+
+TOKEN_METADATA_KEYS = ("token", "authorization")
+"""etcd's rpctypes.TokenFieldNameGRPC and TokenFieldNameSwagger."""
+
+
+class AuthGate:
+    """The node's view of auth for the API layer: the checker over the replicated
+    store, the node-local token table, and who a call comes from."""
+
+    def __init__(self, state: StateMachine, tokens: SimpleTokens) -> None:
+        self.state = state
+        self.store = state.auth
+        self.checker = Checker(state.auth)
+        self.tokens = tokens
+
+    @property
+    def enabled(self) -> bool:
+        return self.store.enabled
+
+    def user_of(self, context: Context) -> str | None:
+        """The calling user (None: nobody), or InvalidAuthToken. While auth is
+        disabled nobody is calling, whatever token is sent (etcd's AuthInfoFromCtx)."""
+        if not self.enabled:
+            return None
+        for key, value in context.invocation_metadata() or ():
+            if key in TOKEN_METADATA_KEYS:
+                token = value.decode() if isinstance(value, bytes) else value
+                user = self.tokens.user_of(token)
+                if user is None:
+                    raise errors.InvalidAuthToken()
+                return user
+        return client_common_name(context)  # etcd's AuthInfoFromTLS
+
+    def lease_keys(self, lease_id: int) -> Iterable[bytes]:
+        lease = self.state.lessor.leases.get(lease_id) if lease_id else None
+        return lease.keys if lease is not None else ()
+
+    def watch_permitted(self, context: Context, request: rpc_pb2.WatchCreateRequest) -> bool:
+        """May this stream's user watch `request`'s range (READ)?"""
+        if not self.enabled:
+            return True
+        try:
+            user = self.user_of(context)
+        except EtcdError:
+            return False
+        return self.checker.watch_permitted(user, request)
+
+
+Rule = Callable[[AuthGate, str | None, Any], None]
+"""Raise the etcd error if `user` may not make `request`."""
+
+
+def _token_only(gate: AuthGate, user: str | None, request: Any) -> None:
+    """No permission needed, but a token sent must be valid (checked by user_of)."""
+
+
+def _admin(gate: AuthGate, user: str | None, request: Any) -> None:
+    gate.checker.check_admin(user)
+
+
+def _range(gate: AuthGate, user: str | None, r: rpc_pb2.RangeRequest) -> None:
+    gate.checker.check_range(user, r)
+
+
+def _put(gate: AuthGate, user: str | None, r: rpc_pb2.PutRequest) -> None:
+    gate.checker.check_put(user, r, gate.lease_keys(r.lease))
+
+
+def _delete(gate: AuthGate, user: str | None, r: rpc_pb2.DeleteRangeRequest) -> None:
+    gate.checker.check_delete(user, r)
+
+
+def _txn(gate: AuthGate, user: str | None, r: rpc_pb2.TxnRequest) -> None:
+    gate.checker.check_txn(user, r, gate.lease_keys)
+
+
+def _lease_revoke(gate: AuthGate, user: str | None, r: rpc_pb2.LeaseRevokeRequest) -> None:
+    gate.checker.check_lease_revoke(user, gate.lease_keys(r.ID))
+
+
+def _recipe(name: bytes, gate: AuthGate, user: str | None, perms: Sequence[int]) -> None:
+    """Lock and election keys are `name/<lease hex>`: the whole `name/` prefix."""
+    gate.checker.check_prefix(user, name + b"/", perms)
+
+
+def _lock(gate: AuthGate, user: str | None, r: v3lock_pb2.LockRequest) -> None:
+    _recipe(r.name, gate, user, (READ, WRITE))
+
+
+def _unlock(gate: AuthGate, user: str | None, r: v3lock_pb2.UnlockRequest) -> None:
+    gate.checker.check(user, r.key, b"", WRITE)
+
+
+def _campaign(gate: AuthGate, user: str | None, r: v3election_pb2.CampaignRequest) -> None:
+    _recipe(r.name, gate, user, (READ, WRITE))
+
+
+def _proclaim(gate: AuthGate, user: str | None, r: v3election_pb2.ProclaimRequest) -> None:
+    _recipe(r.leader.name, gate, user, (READ, WRITE))
+
+
+def _resign(gate: AuthGate, user: str | None, r: v3election_pb2.ResignRequest) -> None:
+    gate.checker.check(user, r.leader.key, b"", WRITE)
+
+
+def _leader(gate: AuthGate, user: str | None, r: v3election_pb2.LeaderRequest) -> None:
+    _recipe(r.name, gate, user, (READ,))
+
+
+def cqs_queue_prefix(queue_name: str) -> bytes:
+    """A CQS queue's keys: its etcd view and the producer keys that feed it."""
+    return b"/q/" + queue_name.encode() + b"/"
+
+
+def _cqs(gate: AuthGate, user: str | None, r: Any) -> None:
+    """CQS RPCs read and change their queue: READ and WRITE on /q/{queue_name}/."""
+    gate.checker.check_prefix(user, cqs_queue_prefix(r.queue_name), (READ, WRITE))
+
+
+def _cqs_reenqueue(gate: AuthGate, user: str | None, r: cqs_pb2.ReEnqueueRequest) -> None:
+    _cqs(gate, user, r.header)
+
+
+_CQS = "/dtoflow.changequeue.v1.DtoChangeQueueService/"
+METHOD_RULES: dict[str, Rule] = {
+    "/etcdserverpb.KV/Range": _range,
+    "/etcdserverpb.KV/Put": _put,
+    "/etcdserverpb.KV/DeleteRange": _delete,
+    "/etcdserverpb.KV/Txn": _txn,
+    "/etcdserverpb.KV/Compact": _admin,
+    "/etcdserverpb.Lease/LeaseGrant": _token_only,
+    "/etcdserverpb.Lease/LeaseRevoke": _lease_revoke,
+    "/etcdserverpb.Maintenance/Defragment": _admin,
+    "/etcdserverpb.Maintenance/Hash": _admin,
+    "/etcdserverpb.Maintenance/HashKV": _admin,
+    "/etcdserverpb.Maintenance/Snapshot": _admin,
+    "/etcdserverpb.Maintenance/MoveLeader": _admin,
+    "/etcdserverpb.Maintenance/Downgrade": _admin,
+    "/etcdserverpb.Cluster/MemberAdd": _admin,
+    "/etcdserverpb.Cluster/MemberRemove": _admin,
+    "/etcdserverpb.Cluster/MemberUpdate": _admin,
+    "/etcdserverpb.Cluster/MemberPromote": _admin,
+    "/v3lockpb.Lock/Lock": _lock,
+    "/v3lockpb.Lock/Unlock": _unlock,
+    "/v3electionpb.Election/Campaign": _campaign,
+    "/v3electionpb.Election/Proclaim": _proclaim,
+    "/v3electionpb.Election/Resign": _resign,
+    "/v3electionpb.Election/Leader": _leader,
+    "/v3electionpb.Election/Observe": _leader,
+    _CQS + "CreateOrConfigureQueue": _cqs,
+    _CQS + "BatchDequeue": _cqs,
+    _CQS + "BatchAcknowledge": _cqs,
+    _CQS + "ReEnqueue": _cqs_reenqueue,
+}
+"""The guarded methods. Not here, as in etcd: Status, Alarm, MemberList,
+LeaseKeepAlive, LeaseTimeToLive, LeaseLeases; the Auth service guards itself and
+Watch asks per create request."""
+
+
+async def _enforce(gate: AuthGate, rule: Rule, request: Any, context: Context) -> None:
+    try:
+        rule(gate, gate.user_of(context), request)
+    except EtcdError as e:
+        await abort(context, e)
+
+
+def guard(handler: MethodHandler, gate: AuthGate, rule: Rule) -> MethodHandler:
+    """`handler` with `rule` checked before its behaviour runs (while enabled)."""
+    h: Any = handler
+    if h.unary_unary is not None:
+        inner_uu = h.unary_unary
+
+        async def unary_unary(request: Any, context: Context) -> Any:
+            if gate.enabled:
+                await _enforce(gate, rule, request, context)
+            return await inner_uu(request, context)
+
+        return h._replace(unary_unary=unary_unary)  # type: ignore[no-any-return]
+    if h.unary_stream is not None:
+        inner_us = h.unary_stream
+        if inspect.isasyncgenfunction(inner_us):
+
+            async def unary_stream_gen(request: Any, context: Context) -> AsyncIterator[Any]:
+                if gate.enabled:
+                    await _enforce(gate, rule, request, context)
+                async for response in inner_us(request, context):
+                    yield response
+
+            return h._replace(unary_stream=unary_stream_gen)  # type: ignore[no-any-return]
+
+        async def unary_stream(request: Any, context: Context) -> None:
+            if gate.enabled:
+                await _enforce(gate, rule, request, context)
+            await inner_us(request, context)
+
+        return h._replace(unary_stream=unary_stream)  # type: ignore[no-any-return]
+    if h.stream_unary is not None:
+        inner_su = h.stream_unary
+
+        async def stream_unary(requests: AsyncIterator[Any], context: Context) -> Any:
+            """The first message names what the stream works on (ReEnqueue's
+            header): check it, then hand the whole stream on."""
+            if gate.enabled:
+                it = aiter(requests)
+                first = await anext(it, None)
+                if first is not None:
+                    await _enforce(gate, rule, first, context)
+                requests = _prepend(first, it)
+            return await inner_su(requests, context)
+
+        return h._replace(stream_unary=stream_unary)  # type: ignore[no-any-return]
+    return handler
+
+
+async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    if first is not None:
+        yield first
+    async for item in rest:
+        yield item
+
+
+class _GuardedHandler(grpc.GenericRpcHandler):  # type: ignore[type-arg]
+    def __init__(self, inner: GenericHandler, gate: AuthGate) -> None:
+        self.inner = inner
+        self.gate = gate
+        self._cache: dict[str, MethodHandler | None] = {}
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> MethodHandler | None:
+        method: str = handler_call_details.method
+        try:
+            return self._cache[method]
+        except KeyError:
+            pass
+        handler = self.inner.service(handler_call_details)
+        rule = METHOD_RULES.get(method)
+        if handler is not None and rule is not None:
+            handler = guard(handler, self.gate, rule)
+        self._cache[method] = handler
+        return handler
+
+
+class AuthorizingHandlers:
+    """Stands in for the server in the generated `add_*Servicer_to_server` calls
+    (in front of `GenericHandlersOnly`) and guards the methods of METHOD_RULES."""
+
+    def __init__(self, services: Any, gate: AuthGate) -> None:
+        self.services = services
+        self.gate = gate
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[GenericHandler]) -> None:
+        self.services.add_generic_rpc_handlers(
+            tuple(_GuardedHandler(h, self.gate) for h in handlers)
+        )
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        self.services.add_registered_method_handlers(service, handlers)
