@@ -158,6 +158,12 @@ class WriteAheadLog:
         in order. Afterwards `recovery` says what was dropped and the log is open
         for appending after the last good record."""
         firsts = self.segments()
+        if firsts and firsts[0] > after_index + 1:
+            # Segment names are their first index: even an empty newest segment
+            # says the records before it existed, and they are gone.
+            raise WALGapError(
+                f"wal starts at index {firsts[0]} but the snapshot ends at {after_index}"
+            )
         dropped_bytes = 0
         dropped_segments = 0
         dropped_offset = -1

@@ -315,3 +315,16 @@ def test_local_log_full_disk_refuses_with_nospace_then_recovers(tmp_path: Path) 
     LocalLog(str(tmp_path), sm).recover()
     assert sm.store.get(b"after") is not None
     assert sm.store.range(b"k", ALL_KEYS_END).count == sm.store.revision - 2
+
+
+def test_wal_gap_is_seen_even_when_the_newest_segment_is_empty(tmp_path: Path) -> None:
+    """After a snapshot at 40 the log is an empty segment named 41: replaying
+    from an older snapshot (30) must see that 31..40 are gone."""
+    wal = WriteAheadLog(str(tmp_path))
+    wal.last_index = 40
+    wal.open_for_append()
+    wal.close()
+    assert [p.name for p in tmp_path.glob("*.log")] == [f"{41:020d}.log"]
+    with pytest.raises(WALGapError):
+        list(WriteAheadLog(str(tmp_path)).replay(30))
+    assert list(WriteAheadLog(str(tmp_path)).replay(40)) == []
