@@ -59,13 +59,12 @@ def fill(path: Path) -> int:
     written = 0
     chunk = b"\0" * 65536
     with open(path, "wb", buffering=0) as f:
-        while written < 2 * DISK_BYTES:  # bounded even if ENOSPC never comes
+        while written < 2 * DISK_BYTES:  # bounded even if ENOSPC never came
             try:
-                n = f.write(chunk[: 4096 if written % 65536 else 65536])
+                written += f.write(chunk) or 0
             except OSError as e:
                 assert e.errno == errno.ENOSPC
                 return written
-            written += n or 0
     raise AssertionError("the tmpfs never filled up")
 
 
