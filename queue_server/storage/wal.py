@@ -48,9 +48,12 @@ SECTOR_BYTES = 512
 """The unit a disk writes atomically; a torn write leaves whole sectors unwritten
 (zero), which is how etcd's decoder tells a torn entry from a corrupt one."""
 
-TORN_SCAN_INDEXES = 64
+TORN_SCAN_INDEXES = 256
 """How many indexes past a bad record are looked for to tell corruption from a
-torn tail: more bad records in a row than this are taken for a torn tail."""
+torn tail: more bad records in a row than this (a damaged stretch of more than
+about 8 KiB of the smallest records: two 4 KiB blocks) are taken for a torn tail.
+The search is `find` over the bytes after the bad record: milliseconds for a torn
+tail, which is short; about a second per 16 MiB of garbage in the worst case."""
 
 TORN_SCAN_CANDIDATES = 100_000
 """Bounds the checksums that scan computes (an index's bytes also occur by chance

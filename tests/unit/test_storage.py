@@ -328,3 +328,35 @@ def test_wal_gap_is_seen_even_when_the_newest_segment_is_empty(tmp_path: Path) -
     with pytest.raises(WALGapError):
         list(WriteAheadLog(str(tmp_path)).replay(30))
     assert list(WriteAheadLog(str(tmp_path)).replay(40)) == []
+
+
+class FullSnapshots(SnapshotStore):
+    """A snapshot directory whose disk is full for the first `full` saves."""
+
+    def __init__(self, directory: str, full: int) -> None:
+        super().__init__(directory)
+        self.full = full
+
+    def save(self, index: int, state: object) -> int:
+        if self.full > 0:
+            self.full -= 1
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return super().save(index, state)
+
+
+def test_failed_snapshot_keeps_writing_and_retries_later(tmp_path: Path) -> None:
+    async def life() -> None:
+        log = LocalLog(str(tmp_path), StateMachine(), snapshot_count=10)
+        log.recover()
+        log.snapshots = FullSnapshots(str(tmp_path / "snap"), full=1)
+        for i in range(25):  # one at a time: a snapshot is due at 10, then at 20
+            assert isinstance(
+                await log.propose(put_command(b"k%02d" % i, b"v")), rpc_pb2.PutResponse
+            )
+        await log.close()
+        assert log.snapshots.indexes() == [20]
+
+    asyncio.run(life())
+    sm = StateMachine()
+    LocalLog(str(tmp_path), sm).recover()
+    assert sm.store.revision == 26
