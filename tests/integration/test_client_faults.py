@@ -201,6 +201,7 @@ def settle(p: psutil.Process, base: tuple[int, int, int]) -> tuple[int, int, int
     return now
 
 
+@pytest.mark.timeout(120 + 0.3 * CYCLES)  # the nightly size outlasts the default 300 s
 def test_dropped_clients_leak_nothing(tmp_path: Path) -> None:
     server = ServerProcess(tmp_path / "faults.etcd")
     server.start()

@@ -163,6 +163,7 @@ def _flat(messages: dict[str, list[str]]) -> set[str]:
     return {key for keys in messages.values() for key in keys}
 
 
+@pytest.mark.timeout(60 + 20 * ITERATIONS)  # the nightly size outlasts the default 300 s
 def test_mixed_load_survives_sigkill(tmp_path: Path) -> None:
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
