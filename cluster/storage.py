@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from queue_server.storage.snapshot import SnapshotStore
-from queue_server.storage.wal import WriteAheadLog
+from queue_server.storage.wal import WALFullError, WriteAheadLog
 
 _ENTRY = struct.Struct("<QQB")
 _HARD = struct.Struct("<QQQ")
@@ -121,7 +121,13 @@ class RaftStorage:
 
     def write(self, data: bytes, last_seq: int) -> None:
         """Append and fsync (blocking: run it in the writer thread)."""
-        self.wal.write(data, last_seq)
+        try:
+            self.wal.write(data, last_seq)
+        except WALFullError:
+            # Cut off again: number the next records after the last one on disk,
+            # or replay would take the gap for damage and refuse to start.
+            self._seq = self.wal.last_index
+            raise
 
     def raw_snapshot(self) -> bytes:
         """The newest snapshot file's bytes (what a lagging follower is sent)."""

@@ -28,6 +28,7 @@ from cluster.transport import PeerClients, peer_handler
 from etcdserverpb import (
     cqs_pb2_grpc,
     internal_pb2,
+    rpc_pb2,
     rpc_pb2_grpc,
     v3election_pb2_grpc,
     v3lock_pb2_grpc,
@@ -62,6 +63,8 @@ from queue_server.mvcc.store import Event
 from queue_server.quota import QuotaGuard
 from queue_server.recipes.local_client import LocalClient
 from queue_server.storage.local_log import LocalLog
+from queue_server.storage.snapshot import CorruptSnapshotError
+from queue_server.storage.wal import WALCorruptError, WALGapError
 from queue_server.tls import Credentials, TLSError, ignored_on_http, load_credentials
 from queue_server.watch.hub import WatchHub
 
@@ -156,6 +159,18 @@ class Server:
             ) from e
         return int(meta["term"])
 
+    def _disk_full(self, member_id: int) -> None:
+        """The log found the disk full: raise NOSPACE, as the quota would, so
+        writes are refused (capped mode) until space is freed and the alarm
+        disarmed. Applied in memory, since the log has no room for it; a disarm
+        goes through the log once there is room again."""
+        if not self.state.alarms.no_space:
+            alarm = rpc_pb2.AlarmRequest(
+                action=rpc_pb2.AlarmRequest.ACTIVATE, memberID=member_id, alarm=rpc_pb2.NOSPACE
+            )
+            self.state.alarms.apply(alarm)
+            log.warning("alarm raised alarm=NOSPACE reason=disk_full member=%x", member_id)
+
     # -- lifecycle ------------------------------------------------------------
 
     async def start(self) -> None:
@@ -182,6 +197,11 @@ class Server:
             self.log.recover()
         except OSError as e:
             raise StartupError(f"cannot read data dir {cfg.data_dir!r}: {e}") from e
+        except (CorruptSnapshotError, WALCorruptError, WALGapError) as e:
+            # Never serve a state that may be missing acknowledged writes.
+            raise StartupError(f"data dir {cfg.data_dir!r} is damaged: {e}") from e
+        if isinstance(self.log, LocalLog):
+            self.log.on_no_space = lambda: self._disk_full(member_id)
         # Every lease gets a full TTL from now, as after an etcd leader election.
         lessor = self.state.lessor
         self._rearm_leases()

@@ -17,7 +17,15 @@ no reader ever sees a write that a crash could take back.
 Every `snapshot_count` applied entries the state is exported on the loop and
 written by the same writer thread (after the batch, before the next), the log
 rotates to a new segment, and segments the snapshot covers are deleted. Startup
-loads the newest snapshot and replays the log after it.
+loads the newest snapshot and replays the log after it. If the newest snapshot
+fails its checksum, an older one is used only if the log still holds every
+record after it (otherwise startup is refused): the same state, provably.
+
+A full disk is an expected condition, not a crash: the WAL cuts off the partial
+write, the batch and everything pending fail with etcd's `NoSpace`, and
+`on_no_space` (the server raises the NOSPACE alarm, in memory since the log has
+no room for it) puts the state machine in capped mode until an operator frees
+space and disarms. Any other write or fsync error stops all writes for good.
 
 Only bytes cross to the writer thread; all state stays on the event loop.
 """
@@ -28,15 +36,16 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from etcdserverpb import internal_pb2
 from queue_server.apply import ApplyResult, StateMachine
-from queue_server.errors import RequestTooLarge, ServerStopped
-from queue_server.storage.snapshot import SnapshotStore
-from queue_server.storage.wal import WriteAheadLog
+from queue_server.errors import NoSpace, RequestTooLarge, ServerStopped
+from queue_server.storage.snapshot import CorruptSnapshotError, SnapshotStore
+from queue_server.storage.wal import WALFullError, WALGapError, WriteAheadLog
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +98,13 @@ class LocalLog:
         self._flusher: asyncio.Task[None] | None = None
         self._next_index = 0
         self._snapshot_index = 0
+        self._next_snapshot_at = snapshot_count  # applied index of the next snapshot
         self._failed: BaseException | None = None
         self._snapshotting = False  # the writer thread owns the WAL files meanwhile
         self._closed = False
         self.commits = 0  # group commits done: batches written and fsynced
+        self.on_no_space: Callable[[], None] | None = None
+        """Called on the loop when a write found the disk full."""
 
     # -- startup --------------------------------------------------------------
 
@@ -100,18 +112,33 @@ class LocalLog:
         """Load the newest snapshot and replay the log after it (blocking; call
         before serving)."""
         started = time.monotonic()
-        loaded = self.snapshots.load_latest()
+        loaded, broken = self.snapshots.load_usable()
+        for error in broken:
+            log.error("snapshot refused error=%r", str(error))
         if loaded is not None:
             self._snapshot_index, state = loaded
             self.state_machine.restore_state(state)
         replayed = 0
         apply = self.state_machine.apply
         parse = internal_pb2.Command.FromString
-        for index, payload in self.wal.replay(self._snapshot_index):
-            apply(index, parse(payload))
-            replayed += 1
+        try:
+            for index, payload in self.wal.replay(self._snapshot_index):
+                apply(index, parse(payload))
+                replayed += 1
+        except WALGapError as e:
+            if not broken:
+                raise
+            raise CorruptSnapshotError(
+                f"{broken[0]}; no older snapshot can replace it (the log does not reach "
+                f"back to index {self._snapshot_index}): refusing to start"
+            ) from e
+        for error in broken:
+            # Replay proved the log holds everything after the older snapshot.
+            name = self.snapshots.set_aside(error.index)
+            log.warning("snapshot fallback used_index=%d set_aside=%s", self._snapshot_index, name)
         self.wal.open_for_append()
         self._next_index = self.wal.last_index
+        self._next_snapshot_at = self.state_machine.applied_index + self.snapshot_count
         rec = self.wal.recovery
         log.info(
             "recovered snapshot_index=%d replayed=%d last_index=%d dropped_bytes=%d seconds=%.3f",
@@ -165,6 +192,9 @@ class LocalLog:
                         await loop.run_in_executor(
                             self._writer, self.wal.write, data, batch[-1].index
                         )
+                except WALFullError as e:
+                    self._refuse_for_space(e, batch)
+                    continue
                 except BaseException as e:
                     self._fail(e, batch)
                     return
@@ -179,8 +209,13 @@ class LocalLog:
                         continue
                     if not p.future.done():
                         p.future.set_result(result)
-                if self.state_machine.applied_index - self._snapshot_index >= self.snapshot_count:
-                    await self._snapshot()
+                if self.state_machine.applied_index >= self._next_snapshot_at:
+                    try:
+                        await self._snapshot()
+                    except OSError as e:  # the log still holds everything: go on
+                        log.error("snapshot failed, will retry later error=%r", e)
+                        applied = self.state_machine.applied_index
+                        self._next_snapshot_at = applied + self.snapshot_count
         finally:
             self._flusher = None
 
@@ -193,6 +228,25 @@ class LocalLog:
                 p.future.set_exception(ServerStopped())
         self._pending.clear()
 
+    def _refuse_for_space(self, error: WALFullError, batch: list[_Proposal]) -> None:
+        """The disk is full; the log is as before the batch. Refuse the batch and
+        everything pending (their indexes followed the batch's), number the next
+        proposal after the last durable one, and raise the alarm."""
+        refused = len(batch) + len(self._pending)
+        log.error(
+            "wal write refused, disk full refused=%d last_index=%d error=%r",
+            refused,
+            self.wal.last_index,
+            error,
+        )
+        for p in (*batch, *self._pending):
+            if not p.future.done():
+                p.future.set_exception(NoSpace())
+        self._pending.clear()
+        self._next_index = self.wal.last_index
+        if self.on_no_space is not None:
+            self.on_no_space()
+
     async def _snapshot(self) -> None:
         index = self.state_machine.applied_index
         state = self.state_machine.export_state()
@@ -204,6 +258,7 @@ class LocalLog:
         finally:
             self._snapshotting = False
         self._snapshot_index = index
+        self._next_snapshot_at = index + self.snapshot_count
         log.info(
             "snapshot saved index=%d bytes=%d seconds=%.3f", index, size, time.monotonic() - started
         )

@@ -9,11 +9,15 @@ pickled here: the data directory is trusted, as etcd trusts its bbolt file). A
 snapshot is written to a temporary name, fsynced and renamed, so a crash leaves
 either the old snapshot or the new one, never half of one. A snapshot whose
 checksum fails is refused with an error naming the file: it is never served.
-Blocking; callers run it off the event loop.
+`load_usable` may fall back to an older snapshot, as etcd's snapshotter does; the
+caller must then prove the log reaches back to it (the WAL's gap check) before
+serving, and only then `set_aside` the broken one. Blocking; callers run it off
+the event loop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pickle
@@ -32,6 +36,10 @@ previous one can be inspected after a bad restart."""
 
 class CorruptSnapshotError(RuntimeError):
     """A snapshot file failed its checksum or is truncated."""
+
+    def __init__(self, message: str, index: int = -1) -> None:
+        super().__init__(message)
+        self.index = index
 
 
 class SnapshotStore:
@@ -59,11 +67,16 @@ class SnapshotStore:
     def save_encoded(self, index: int, data: bytes) -> int:
         """Write an already encoded snapshot (see `encode`) durably."""
         tmp = self._path(index) + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            if self.fsync_enabled:
-                os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                if self.fsync_enabled:
+                    os.fsync(f.fileno())
+        except OSError:
+            with contextlib.suppress(OSError):  # a full disk: give the space back
+                os.remove(tmp)
+            raise
         os.replace(tmp, self._path(index))
         if self.fsync_enabled:
             fsync_dir(self.directory)
@@ -84,6 +97,33 @@ class SnapshotStore:
             data = f.read()
         return decode(data, path)
 
+    def load_usable(self) -> tuple[tuple[int, Any] | None, list[CorruptSnapshotError]]:
+        """The newest snapshot that passes its checksum (or None), and the errors
+        of the newer ones that failed. A fallback is only safe if the log holds
+        every record after the older snapshot: the caller checks that."""
+        for name in os.listdir(self.directory):
+            if name.endswith(".tmp"):
+                os.remove(os.path.join(self.directory, name))
+        broken: list[CorruptSnapshotError] = []
+        for index in reversed(self.indexes()):
+            path = self._path(index)
+            with open(path, "rb") as f:
+                data = f.read()
+            try:
+                return decode(data, path), broken
+            except CorruptSnapshotError as e:
+                broken.append(e)
+        return None, broken
+
+    def set_aside(self, index: int) -> str:
+        """Rename a snapshot that failed its checksum to `.broken` (as etcd does)
+        so it is kept for inspection and never loaded again; returns the name."""
+        path = self._path(index)
+        os.replace(path, path + ".broken")
+        if self.fsync_enabled:
+            fsync_dir(self.directory)
+        return path + ".broken"
+
 
 def encode(index: int, state: Any) -> bytes:
     """The snapshot file's bytes for `state` at applied index `index`."""
@@ -91,16 +131,23 @@ def encode(index: int, state: Any) -> bytes:
     return _MAGIC + _HEADER.pack(index, zlib.crc32(payload), len(payload)) + payload
 
 
+def _index_of(name: str) -> int:
+    """The index in a snapshot file's name (-1 if it has none)."""
+    stem = os.path.basename(name).split(".")[0]
+    return int(stem) if stem.isdigit() else -1
+
+
 def verify(data: bytes, name: str) -> int:
     """Check a snapshot's header and checksum; returns its applied index."""
     head = len(_MAGIC) + _HEADER.size
     if len(data) < head or not data.startswith(_MAGIC):
-        raise CorruptSnapshotError(f"snapshot {name} has no valid header")
+        raise CorruptSnapshotError(f"snapshot {name} has no valid header", _index_of(name))
     index, crc, length = _HEADER.unpack_from(data, len(_MAGIC))
     payload = memoryview(data)[head : head + length]
     if len(payload) != length or zlib.crc32(payload) != crc:
         raise CorruptSnapshotError(
-            f"snapshot {name} fails its checksum (expected {length} bytes, crc {crc:#x})"
+            f"snapshot {name} fails its checksum (expected {length} bytes, crc {crc:#x})",
+            _index_of(name),
         )
     return int(index)
 
