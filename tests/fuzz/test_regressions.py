@@ -28,3 +28,25 @@ def test_alarm_of_an_unknown_type_does_not_break_status(channel: grpc.Channel) -
         )
         maintenance.Alarm(deactivate, timeout=5)
     assert not maintenance.Status(rpc_pb2.StatusRequest(), timeout=5).errors
+
+
+def test_undecodable_request_gets_internal_as_from_etcd(channel: grpc.Channel) -> None:
+    """Bytes that do not parse used to get grpcio's UNKNOWN "Unexpected <class
+    'DecodeError'>" and an ERROR traceback in the log per request; etcd (grpc-go)
+    answers INTERNAL "grpc: error unmarshalling request: ...", and so do we."""
+    call = channel.unary_unary(
+        "/etcdserverpb.KV/Range", request_serializer=bytes, response_deserializer=bytes
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        call(b"\x0a\x02\xff\xfe\xff", timeout=5)  # a key field that runs past the end
+    assert err.value.code() == grpc.StatusCode.INTERNAL  # type: ignore[attr-defined]
+    details = err.value.details()  # type: ignore[attr-defined]
+    assert details.startswith("grpc: error unmarshalling request: ")
+    stream = channel.stream_stream(
+        "/etcdserverpb.Lease/LeaseKeepAlive", request_serializer=bytes, response_deserializer=bytes
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        list(stream(iter([b"\x08\x01", b"\xff"]), timeout=5))
+    assert err.value.code() == grpc.StatusCode.INTERNAL  # type: ignore[attr-defined]
+    details = err.value.details()  # type: ignore[attr-defined]
+    assert details.startswith("grpc: failed to unmarshal the received message: ")
