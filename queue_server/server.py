@@ -221,7 +221,9 @@ class Server:
             services,
         )
         rpc_pb2_grpc.add_ClusterServicer_to_server(ClusterService(membership, header), services)
-        self.watch_hub = WatchHub(lambda: self.state.store, cfg.max_request_bytes)
+        self.watch_hub = WatchHub(
+            lambda: self.state.store, cfg.max_request_bytes, cfg.max_watchers_per_stream
+        )
         lessor = self.state.lessor
         if isinstance(self.log, ClusterLog):
             self.session = NodeSession(
@@ -453,6 +455,9 @@ class Server:
     def _grpc_options(self) -> list[tuple[str, Any]]:
         cfg = self.config
         return [
+            # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS (etcd's --max-concurrent-streams);
+            # grpc takes a C int, and anything at or above it means "no limit".
+            ("grpc.max_concurrent_streams", min(cfg.max_concurrent_streams, 2**31 - 1)),
             ("grpc.max_receive_message_length", cfg.max_request_bytes + GRPC_OVERHEAD_BYTES),
             ("grpc.max_send_message_length", 2**31 - 1),
             # Lenient keepalive enforcement, as etcd's: clients may ping every
