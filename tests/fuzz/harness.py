@@ -161,7 +161,7 @@ def call(channel: grpc.Channel, rpc: Rpc, requests: list[Any], max_responses: in
                 fn3 = channel.unary_stream(
                     rpc.path, request_serializer=ser, response_deserializer=de
                 )
-                it: Iterator[Any] = fn3(requests[0], timeout=rpc.timeout)
+                it: Any = fn3(requests[0], timeout=rpc.timeout)
             else:
                 fn4 = channel.stream_stream(
                     rpc.path, request_serializer=ser, response_deserializer=de
@@ -170,10 +170,10 @@ def call(channel: grpc.Channel, rpc: Rpc, requests: list[Any], max_responses: in
             for response in it:
                 responses.append(response)
                 if len(responses) >= max_responses:
-                    it.cancel()  # type: ignore[attr-defined]
+                    it.cancel()
                     return Outcome(grpc.StatusCode.OK, "", responses)
     except grpc.RpcError as e:
-        return Outcome(e.code(), e.details() or "", responses)  # type: ignore[attr-defined]
+        return Outcome(e.code(), e.details() or "", responses)
     return Outcome(grpc.StatusCode.OK, "", responses)
 
 

@@ -99,6 +99,7 @@ def _text() -> st.SearchStrategy[str]:
 
 
 def _enum(field: FieldDescriptor) -> st.SearchStrategy[int]:
+    assert field.enum_type is not None
     declared = [v.number for v in field.enum_type.values]
     return st.one_of(st.sampled_from(declared), st.integers(min_value=-5, max_value=100))
 

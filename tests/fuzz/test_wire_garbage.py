@@ -97,7 +97,7 @@ def _send(channel: grpc.Channel, rpc: harness.Rpc, payloads: list[bytes]) -> har
             for _ in bidi(iter(payloads), timeout=timeout):
                 pass
     except grpc.RpcError as e:
-        return harness.Outcome(e.code(), e.details() or "", [])  # type: ignore[attr-defined]
+        return harness.Outcome(e.code(), e.details() or "", [])
     return harness.Outcome(grpc.StatusCode.OK, "", [])
 
 

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import psutil
+import psutil  # type: ignore[import-untyped]
 import pytest
 
 from etcdserverpb import rpc_pb2, rpc_pb2_grpc
@@ -65,7 +65,7 @@ def ch(limited: ServerProcess) -> Iterator[grpc.Channel]:
 
 
 def _code(e: pytest.ExceptionInfo[grpc.RpcError]) -> tuple[grpc.StatusCode, str]:
-    return e.value.code(), e.value.details()  # type: ignore[attr-defined]
+    return e.value.code(), e.value.details() or ""
 
 
 def test_request_too_large(ch: grpc.Channel) -> None:
@@ -201,7 +201,7 @@ def test_max_concurrent_streams_makes_further_calls_wait(tmp_path: Path) -> None
                 streams.append(s)
             with pytest.raises(grpc.RpcError) as e:
                 kv.Range(rpc_pb2.RangeRequest(key=b"a"), timeout=1)
-            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             with grpc.insecure_channel(srv.endpoint, options=options) as other:
                 rpc_pb2_grpc.KVStub(other).Range(rpc_pb2.RangeRequest(key=b"a"), timeout=5)
             streams[0].cancel()
