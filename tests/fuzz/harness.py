@@ -213,6 +213,28 @@ def full_range(channel: grpc.Channel, revision: int = 0) -> dict[bytes, tuple[by
     return {kv.key: (kv.value, kv.mod_revision, kv.lease) for kv in resp.kvs}
 
 
+def without_cqs_view(
+    keys: dict[bytes, tuple[bytes, int, int]],
+) -> dict[bytes, tuple[bytes, int, int]]:
+    """`keys` without the message keys of CQS queues (`/q/{queue}/{seq}/...`): a
+    current Range shows each CQS queue's notifications as keys, but they live in
+    the queue's own structure, not in the key history, so no watch replays them
+    (docs/cqs-design.md, "Range")."""
+    cqs_queues = set()
+    for key, (value, _, _) in keys.items():
+        if key.startswith(b"/q/") and key.endswith(b"/config") and b'"cqs"' in value:
+            cqs_queues.add(key[len(b"/q/") : -len(b"/config")])
+
+    def in_view(key: bytes) -> bool:
+        if not key.startswith(b"/q/"):
+            return False
+        name, _, rest = key[len(b"/q/") :].partition(b"/")
+        seq = rest.split(b"/", 1)[0]
+        return name in cqs_queues and len(seq) == 16 and seq.isdigit()
+
+    return {k: v for k, v in keys.items() if not in_view(k)}
+
+
 def replay_history(
     channel: grpc.Channel, until: int, deadline: float = 20.0
 ) -> tuple[dict[bytes, tuple[bytes, int, int]], int]:

@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 import pytest
 
-from etcdserverpb import rpc_pb2, rpc_pb2_grpc
+from etcdserverpb import cqs_pb2, cqs_pb2_grpc, rpc_pb2, rpc_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.fuzz]
 
@@ -53,3 +53,31 @@ def test_undecodable_request_gets_internal_as_from_etcd(channel: grpc.Channel) -
     assert err.value.code() == grpc.StatusCode.INTERNAL
     details = err.value.details() or ""
     assert details.startswith("grpc: failed to unmarshal the received message: ")
+
+
+@pytest.mark.parametrize(
+    ("seconds", "nanos"), [(2**62, 0), (300_000_000_000, 0), (1, -5), (1, 10**9)]
+)
+def test_publication_with_an_sla_outside_timestamps_range_is_refused(
+    channel: grpc.Channel, seconds: int, nanos: int
+) -> None:
+    """A protobuf-encoded publication whose sla_timestamp is outside
+    google.protobuf.Timestamp's range used to be queued; then every Range over the
+    queue failed with UNKNOWN (SerializeToJsonError: the view prints SLAs as RFC
+    3339) and the queue's watch consumers stopped getting deliveries."""
+    cqs = cqs_pb2_grpc.DtoChangeQueueServiceStub(channel)
+    kv = rpc_pb2_grpc.KVStub(channel)
+    cqs.CreateOrConfigureQueue(
+        cqs_pb2.CreateOrConfigureQueueRequest(
+            queue_name="slaq", subscriptions=[cqs_pb2.DtoTypeSubscription(dto_type="slat")]
+        ),
+        timeout=5,
+    )
+    note = cqs_pb2.DtoChangeNotification(dto_type="slat", dto_id="t/a/s/b/1")
+    note.sla_timestamp.seconds, note.sla_timestamp.nanos = seconds, nanos
+    with pytest.raises(grpc.RpcError) as err:
+        kv.Put(rpc_pb2.PutRequest(key=b"/q/dto:slat/p/k", value=note.SerializeToString()))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "is not a valid Timestamp" in (err.value.details() or "")
+    shown = kv.Range(rpc_pb2.RangeRequest(key=b"/q/slaq/", range_end=b"/q/slaq0"), timeout=5)
+    assert [kv.key for kv in shown.kvs] == [b"/q/slaq/config"]
