@@ -3,12 +3,14 @@ server process (the module's `server` and `channel` fixtures)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
 from etcdserverpb import cqs_pb2, cqs_pb2_grpc, rpc_pb2, rpc_pb2_grpc
+from tests.support.processes import ServerProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.fuzz]
 
@@ -81,3 +83,46 @@ def test_publication_with_an_sla_outside_timestamps_range_is_refused(
     assert "is not a valid Timestamp" in (err.value.details() or "")
     shown = kv.Range(rpc_pb2.RangeRequest(key=b"/q/slaq/", range_end=b"/q/slaq0"), timeout=5)
     assert [kv.key for kv in shown.kvs] == [b"/q/slaq/config"]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        b'{"max_depth": Infinity}',
+        b'{"prefetch": 1e400}',
+        b'{"max_deliveries": -Infinity}',
+        b'{"ack_deadline": NaN}',
+        b'{"ack_deadline": 1e308}',
+    ],
+)
+def test_queue_config_with_non_finite_or_huge_numbers_is_refused(
+    channel: grpc.Channel, config: bytes
+) -> None:
+    """Python's json reads Infinity and NaN. `{"max_depth": Infinity}` used to
+    raise OverflowError inside apply (UNKNOWN to the client), and replaying that
+    log entry made every later restart fail; an ack_deadline of 1e308 made
+    LeaseKeepAlive on the delivery lease answer a TTL no int64 holds."""
+    kv = rpc_pb2_grpc.KVStub(channel)
+    with pytest.raises(grpc.RpcError) as err:
+        kv.Put(rpc_pb2.PutRequest(key=b"/q/cfgq/config", value=config), timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.value.details() or "").startswith("etcdserver: invalid queue config: ")
+
+
+def test_restart_after_a_refused_queue_config(tmp_path: Path) -> None:
+    """The log entry of a refused config replays to the same refusal."""
+    srv = ServerProcess(tmp_path / "cfg.etcd").start()
+    try:
+        with grpc.insecure_channel(srv.endpoint) as ch:
+            kv = rpc_pb2_grpc.KVStub(ch)
+            kv.Put(rpc_pb2.PutRequest(key=b"a", value=b"1"), timeout=5)
+            with pytest.raises(grpc.RpcError):
+                kv.Put(rpc_pb2.PutRequest(key=b"/q/x/config", value=b'{"max_depth": Infinity}'))
+            revision = kv.Put(rpc_pb2.PutRequest(key=b"b", value=b"2"), timeout=5).header.revision
+        assert srv.stop() == 0
+        srv.start()
+        with grpc.insecure_channel(srv.endpoint) as ch:
+            got = rpc_pb2_grpc.KVStub(ch).Range(rpc_pb2.RangeRequest(key=b"b"), timeout=5)
+            assert got.header.revision == revision and got.kvs[0].value == b"2"
+    finally:
+        srv.stop()

@@ -18,6 +18,7 @@ their deadline); `FUZZ_EXAMPLES=500` runs a longer, randomised campaign.
 from __future__ import annotations
 
 import collections
+import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -215,6 +216,75 @@ def test_cqs_flow_with_fuzzed_payloads(fuzz_channel: grpc.Channel) -> None:
         )
         checked("BatchAcknowledge", lambda: cqs.BatchAcknowledge(ack, timeout=5))
         CASES["cqs-flow/BatchAcknowledge"] += 1
+
+    run()
+
+
+QUEUE_CONFIG_EXAMPLES = 40
+_JSON_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(),  # NaN and the infinities too: Python's json writes and reads them
+    st.text(max_size=8),
+)
+_JSON = st.recursive(
+    _JSON_SCALARS,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+_SETTING = st.sampled_from(
+    ["ack_deadline", "max_deliveries", "dead_letter", "prefetch", "max_depth", "cqs", "other"]
+)
+_CQS_SETTING = st.sampled_from(["subscriptions", "depth", "prefetch", "other"])
+QUEUE_CONFIGS = st.dictionaries(
+    _SETTING,
+    st.one_of(_JSON, st.dictionaries(_CQS_SETTING, _JSON, max_size=3)),
+    max_size=4,
+)
+
+
+def test_queue_config_and_flow_with_fuzzed_settings(fuzz_channel: grpc.Channel) -> None:
+    """Fuzzed JSON settings in `/q/{name}/config` (wrong types, huge and
+    non-finite numbers), then a produce and a consumer watch on the queue: every
+    answer carries an etcd status. The module's last test restarts the server,
+    so a config that breaks replay is caught too."""
+    kv = rpc_pb2_grpc.KVStub(fuzz_channel)
+    put = next(r for r in RPCS if r.name == "Put")
+    counter = iter(range(10**9))
+
+    @settings(
+        max_examples=harness.examples(QUEUE_CONFIG_EXAMPLES),
+        deadline=None,
+        derandomize="FUZZ_EXAMPLES" not in os.environ,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    @given(config=QUEUE_CONFIGS)
+    def run(config: dict[str, object]) -> None:
+        name = b"cfg%d" % next(counter)
+        value = json.dumps(config).encode()
+        for key, data in ((b"/q/%s/config" % name, value), (b"/q/%s/p/m" % name, b"x")):
+            try:
+                kv.Put(rpc_pb2.PutRequest(key=key, value=data), timeout=5)
+                outcome = harness.Outcome(grpc.StatusCode.OK, "", [])
+            except grpc.RpcError as e:
+                outcome = harness.Outcome(e.code(), e.details() or "", [])
+            CASES["queue-config/Put"] += 1
+            OUTCOMES["queue-config/Put"][outcome.code.name] += 1
+            if outcome.code != grpc.StatusCode.OK:
+                DETAILS["queue-config/Put"].add(f"{outcome.code.name}: {outcome.details[:80]}")
+            problem = harness.status_problem(put, outcome)
+            assert problem is None, f"{problem}\nconfig: {value!r}"
+        consume = rpc_pb2.WatchRequest(
+            create_request=rpc_pb2.WatchCreateRequest(key=b"/q/%s/c/u1" % name)
+        )
+        watch = next(r for r in RPCS if r.name == "Watch")
+        outcome = harness.call(fuzz_channel, watch, [consume])
+        CASES["queue-config/Watch"] += 1
+        assert harness.status_problem(watch, outcome) is None, outcome
 
     run()
 
