@@ -3,7 +3,7 @@
 - Random bytes, and truncated or bit-flipped encodings of well-typed requests, as
   the payload of every method (a generic call with identity serializers). Bytes
   that do not parse get INTERNAL "grpc: error unmarshalling request: ..." (on a
-  stream, "grpc: failed to unmarshal the received message: ..."), which is what
+  stream, "grpc: failed to unmarshal the received message ..."), which is what
   etcd's grpc-go sends; grpcio's own default would be UNKNOWN plus a logged
   traceback per request (see queue_server/api/registry.py). Bytes that happen to
   parse are requests like any other and must get an etcd status.
@@ -104,7 +104,7 @@ def _send(channel: grpc.Channel, rpc: harness.Rpc, payloads: list[bytes]) -> har
 def _problem(rpc: harness.Rpc, outcome: harness.Outcome) -> str | None:
     if outcome.code == grpc.StatusCode.INTERNAL:
         prefix = (
-            "grpc: failed to unmarshal the received message: "
+            "grpc: failed to unmarshal the received message "
             if rpc.method.client_streaming
             else "grpc: error unmarshalling request: "
         )
