@@ -202,7 +202,7 @@ class Server:
             self.peers,
             self._removed,
         )
-        server = aio.server(options=self._grpc_options())
+        server = aio.server(options=self._grpc_options(clients=True))
         writes = QuotaGuard(self.log, self.state, cfg.quota_backend_bytes, member_id)
         ids = LeaseIdGenerator(member_id)
         services = GenericHandlersOnly(server)
@@ -372,7 +372,7 @@ class Server:
         )
         self.log = cluster_log
         self.peers = peers
-        peer_server = aio.server(options=self._grpc_options())
+        peer_server = aio.server(options=self._grpc_options(clients=False))
         peer_server.add_generic_rpc_handlers((peer_handler(cluster_log.deliver, self._forwarded),))
         for url in cfg.listen_peer_urls:
             address = url_to_address(url)
@@ -452,12 +452,19 @@ class Server:
         except Exception as e:  # the client keeps alive again soon; the leader re-arms on change
             log.debug("keepalive forward failed: %s", e)
 
-    def _grpc_options(self) -> list[tuple[str, Any]]:
+    def _grpc_options(self, clients: bool) -> list[tuple[str, Any]]:
+        """Options of the client server (`clients`) or of the peer server."""
         cfg = self.config
+        streams: list[tuple[str, Any]] = []
+        if clients:
+            # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS (etcd's --max-concurrent-streams,
+            # which etcd applies to client connections only); grpc takes a C int,
+            # and anything at or above it means "no limit".
+            streams.append(
+                ("grpc.max_concurrent_streams", min(cfg.max_concurrent_streams, 2**31 - 1))
+            )
         return [
-            # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS (etcd's --max-concurrent-streams);
-            # grpc takes a C int, and anything at or above it means "no limit".
-            ("grpc.max_concurrent_streams", min(cfg.max_concurrent_streams, 2**31 - 1)),
+            *streams,
             ("grpc.max_receive_message_length", cfg.max_request_bytes + GRPC_OVERHEAD_BYTES),
             ("grpc.max_send_message_length", 2**31 - 1),
             # Lenient keepalive enforcement, as etcd's: clients may ping every
