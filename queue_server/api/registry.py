@@ -29,6 +29,8 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc import aio
 
+NOT_IMPLEMENTED = "Method not implemented!"
+"""What grpcio's generated servicer says of a method it does not implement."""
 UNARY_DECODE_ERROR = "grpc: error unmarshalling request: "
 STREAM_DECODE_ERROR = "grpc: failed to unmarshal the received message "
 """No colon: the text of the grpc-go that etcd 3.4 and 3.5 are built with."""
@@ -99,7 +101,12 @@ def _guard_unary_request(behavior: Callable[..., Any]) -> Callable[..., Any]:
     async def unary_out(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
         if isinstance(request, Undecodable):
             await _refuse(context, UNARY_DECODE_ERROR, request)
-        result = behavior(request, context)
+        try:
+            result = behavior(request, context)
+        except NotImplementedError:
+            # A generated servicer's default (MoveLeader, Downgrade): answer it
+            # without grpcio's logged traceback, which a client could repeat at will.
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, NOT_IMPLEMENTED)
         return await result if inspect.isawaitable(result) else result
 
     return unary_out

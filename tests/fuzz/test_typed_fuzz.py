@@ -327,7 +327,10 @@ def _disarm_alarms(channel: grpc.Channel) -> None:
 def test_state_is_consistent_after_fuzzing(
     fuzz_server: ServerProcess, fuzz_channel: grpc.Channel, tmp_path: Path
 ) -> None:
-    """Range == replayed watch history; restart keeps revision, keys and HashKV."""
+    """No exception was logged; Range == replayed watch history; restart keeps
+    revision, keys and HashKV."""
+    log_text = fuzz_server.log_text()
+    assert "Traceback" not in log_text, f"an exception was logged: {log_text[-3000:]}"
     _disarm_alarms(fuzz_channel)
     _revoke_all_leases(fuzz_channel)
     revision = _stable_revision(fuzz_channel)

@@ -180,6 +180,5 @@ def test_raw_tcp_garbage_does_not_hurt_the_server(
 def test_no_decode_tracebacks_in_the_log(garbage_server: ServerProcess) -> None:
     """Undecodable requests are answered, not logged as unhandled exceptions."""
     text = garbage_server.log_text()
-    assert "DecodeError" not in text
-    assert "Abort already called" not in text
+    assert "Traceback" not in text, text[-3000:]
     print(f"\nmalformed payload cases run: {sum(CASES.values())}")
