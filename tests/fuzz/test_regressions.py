@@ -126,3 +126,19 @@ def test_restart_after_a_refused_queue_config(tmp_path: Path) -> None:
             assert got.header.revision == revision and got.kvs[0].value == b"2"
     finally:
         srv.stop()
+
+
+def test_unimplemented_methods_answer_without_a_logged_traceback(
+    server: ServerProcess, channel: grpc.Channel
+) -> None:
+    """MoveLeader and Downgrade used to reach the generated servicer's
+    NotImplementedError, which grpcio logs with a traceback on every call."""
+    maintenance = rpc_pb2_grpc.MaintenanceStub(channel)
+    for call, request in (
+        (maintenance.MoveLeader, rpc_pb2.MoveLeaderRequest(targetID=1)),
+        (maintenance.Downgrade, rpc_pb2.DowngradeRequest()),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            call(request, timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "NotImplementedError" not in server.log_text()
