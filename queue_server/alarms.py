@@ -13,6 +13,16 @@ NOSPACE = rpc_pb2.NOSPACE
 NONE = rpc_pb2.NONE
 
 
+def alarm_name(alarm: int) -> str:
+    """The alarm type's name, or its number for a type this version does not
+    know (what Go's String() prints). etcd stores any type a client activates,
+    so an unknown one must not break Status or /health (found by fuzzing)."""
+    try:
+        return rpc_pb2.AlarmType.Name(alarm)
+    except ValueError:
+        return str(alarm)
+
+
 class AlarmTable:
     """Active alarms as (member_id, alarm type) pairs."""
 

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 from queue_server.compactor import parse_retention
 from queue_server.quota import DEFAULT_QUOTA_BYTES
+from queue_server.watch.hub import DEFAULT_MAX_WATCHERS_PER_STREAM
 
 DEFAULT_MAX_REQUEST_BYTES = 1536 * 1024
 """etcd's default --max-request-bytes (1.5 MiB)."""
@@ -23,6 +24,10 @@ GRPC_OVERHEAD_BYTES = 512 * 1024
 """etcd lets gRPC receive this much more than --max-request-bytes, so that a
 request slightly over the limit gets etcd's "request is too large" rather than a
 transport error."""
+
+
+DEFAULT_MAX_CONCURRENT_STREAMS = 2**32 - 1
+"""etcd's default --max-concurrent-streams (math.MaxUint32: no limit)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +64,8 @@ class Config:
     auth_token: str = "simple"
     auth_token_ttl: int = 300
     bcrypt_cost: int = 10
+    max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS
+    max_watchers_per_stream: int = DEFAULT_MAX_WATCHERS_PER_STREAM
 
     @property
     def clustered(self) -> bool:
@@ -202,6 +209,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest client request accepted, in bytes",
     )
     add("--max-txn-ops", type=int, default=128, help="most operations in one txn branch")
+    add(
+        "--max-concurrent-streams",
+        type=int,
+        default=DEFAULT_MAX_CONCURRENT_STREAMS,
+        help="most concurrent gRPC streams (calls) per client connection; more wait "
+        "on the client (default: no limit, as etcd)",
+    )
+    add(
+        "--max-watchers-per-stream",
+        type=int,
+        default=DEFAULT_MAX_WATCHERS_PER_STREAM,
+        help="most watchers on one Watch stream; more are cancelled with 'mvcc: too "
+        "many watchers on the WatchStream' (0: no limit)",
+    )
     add(
         "--auto-compaction-mode",
         default="periodic",
@@ -371,6 +392,10 @@ def parse_config(
         raise ConfigError("--max-txn-ops must be positive")
     if a.snapshot_count <= 0:
         raise ConfigError("--snapshot-count must be positive")
+    if a.max_concurrent_streams <= 0:
+        raise ConfigError("--max-concurrent-streams must be positive")
+    if a.max_watchers_per_stream < 0:
+        raise ConfigError("--max-watchers-per-stream must be 0 (no limit) or positive")
     config = Config(
         name=a.name,
         data_dir=a.data_dir or f"{a.name}.etcd",
@@ -409,6 +434,8 @@ def parse_config(
         auth_token=a.auth_token,
         auth_token_ttl=a.auth_token_ttl,
         bcrypt_cost=a.bcrypt_cost,
+        max_concurrent_streams=a.max_concurrent_streams,
+        max_watchers_per_stream=a.max_watchers_per_stream,
     )
     names = [name for name, _ in config.initial_cluster]
     if config.name not in names:

@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 from urllib.parse import parse_qs, urlsplit
 
 from etcdserverpb import rpc_pb2
-from queue_server.alarms import AlarmTable
+from queue_server.alarms import AlarmTable, alarm_name
 from queue_server.errors import EtcdError, RequestTimeout
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ class HealthChecker:
         """The first active alarm whose name (NOSPACE, CORRUPT) is not excluded."""
         skip = set(excluded)
         for _, alarm in self.alarms.get():
-            if rpc_pb2.AlarmType.Name(alarm) not in skip:
+            if alarm_name(alarm) not in skip:
                 return Health(False, ALARM_REASONS.get(alarm, "ALARM UNKNOWN"))
         return HEALTHY
 

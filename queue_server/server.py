@@ -238,7 +238,7 @@ class Server:
             self._removed,
         )
         observer = RpcObserver(self.metrics.registry, cfg.warning_apply_duration)
-        server = aio.server(options=self._grpc_options(), interceptors=[observer])
+        server = aio.server(options=self._grpc_options(clients=True), interceptors=[observer])
         writes = QuotaGuard(self.log, self.state, cfg.quota_backend_bytes, member_id)
         ids = LeaseIdGenerator(member_id)
         # Auth: every service is registered through the gate, which guards the
@@ -263,7 +263,9 @@ class Server:
             services,
         )
         rpc_pb2_grpc.add_ClusterServicer_to_server(ClusterService(membership, header), services)
-        self.watch_hub = WatchHub(lambda: self.state.store, cfg.max_request_bytes)
+        self.watch_hub = WatchHub(
+            lambda: self.state.store, cfg.max_request_bytes, cfg.max_watchers_per_stream
+        )
         lessor = self.state.lessor
         if isinstance(self.log, ClusterLog):
             self.session = NodeSession(
@@ -450,7 +452,7 @@ class Server:
         )
         self.log = cluster_log
         self.peers = peers
-        peer_server = aio.server(options=self._grpc_options())
+        peer_server = aio.server(options=self._grpc_options(clients=False))
         peer_server.add_generic_rpc_handlers((peer_handler(cluster_log.deliver, self._forwarded),))
         self._bind(peer_server, cfg.listen_peer_urls, "peer")
         await peer_server.start()
@@ -525,9 +527,19 @@ class Server:
         except Exception as e:  # the client keeps alive again soon; the leader re-arms on change
             log.debug("keepalive forward failed: %s", e)
 
-    def _grpc_options(self) -> list[tuple[str, Any]]:
+    def _grpc_options(self, clients: bool) -> list[tuple[str, Any]]:
+        """Options of the client server (`clients`) or of the peer server."""
         cfg = self.config
+        streams: list[tuple[str, Any]] = []
+        if clients:
+            # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS (etcd's --max-concurrent-streams,
+            # which etcd applies to client connections only); grpc takes a C int,
+            # and anything at or above it means "no limit".
+            streams.append(
+                ("grpc.max_concurrent_streams", min(cfg.max_concurrent_streams, 2**31 - 1))
+            )
         return [
+            *streams,
             ("grpc.max_receive_message_length", cfg.max_request_bytes + GRPC_OVERHEAD_BYTES),
             ("grpc.max_send_message_length", 2**31 - 1),
             # Lenient keepalive enforcement, as etcd's: clients may ping every

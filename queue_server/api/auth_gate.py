@@ -265,26 +265,6 @@ async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield item
 
 
-class _GuardedHandler(grpc.GenericRpcHandler):  # type: ignore[type-arg]
-    def __init__(self, inner: GenericHandler, gate: AuthGate) -> None:
-        self.inner = inner
-        self.gate = gate
-        self._cache: dict[str, MethodHandler | None] = {}
-
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> MethodHandler | None:
-        method: str = handler_call_details.method
-        try:
-            return self._cache[method]
-        except KeyError:
-            pass
-        handler = self.inner.service(handler_call_details)
-        rule = METHOD_RULES.get(method)
-        if handler is not None and rule is not None:
-            handler = guard(handler, self.gate, rule)
-        self._cache[method] = handler
-        return handler
-
-
 class AuthorizingHandlers:
     """Stands in for the server in the generated `add_*Servicer_to_server` calls
     (in front of `GenericHandlersOnly`) and guards the methods of METHOD_RULES."""
@@ -294,9 +274,14 @@ class AuthorizingHandlers:
         self.gate = gate
 
     def add_generic_rpc_handlers(self, handlers: Sequence[GenericHandler]) -> None:
-        self.services.add_generic_rpc_handlers(
-            tuple(_GuardedHandler(h, self.gate) for h in handlers)
-        )
+        """Passed on; `GenericHandlersOnly` registers the same methods from
+        `add_registered_method_handlers`, where they are guarded."""
+        self.services.add_generic_rpc_handlers(handlers)
 
     def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
-        self.services.add_registered_method_handlers(service, handlers)
+        """The same methods, by name: the ones `GenericHandlersOnly` registers."""
+        guarded = {}
+        for name, handler in handlers.items():
+            rule = METHOD_RULES.get(f"/{service}/{name}")
+            guarded[name] = guard(handler, self.gate, rule) if rule is not None else handler
+        self.services.add_registered_method_handlers(service, guarded)

@@ -17,6 +17,7 @@ from grpc import aio
 
 from cluster.membership import Membership
 from etcdserverpb import internal_pb2, rpc_pb2, rpc_pb2_grpc
+from queue_server.alarms import alarm_name
 from queue_server.api.errors import abort
 from queue_server.api.header import HeaderFiller
 from queue_server.apply import Proposer, StateMachine
@@ -74,7 +75,7 @@ class MaintenanceService(rpc_pb2_grpc.MaintenanceServicer):
         )
         for member_id, alarm in self.state.alarms.get():
             # Go's text form of an AlarmMember, as etcd lists alarms in Status.errors
-            name = rpc_pb2.AlarmType.Name(alarm)
+            name = alarm_name(alarm)
             resp.errors.append(f"memberID:{member_id} alarm:{name} ")
         self.header.fill(resp.header)
         return resp

@@ -4,6 +4,9 @@ The handler reads requests in one task (create, cancel, progress) and writes the
 stream's outbox in another: the watch hub only ever appends to the outbox, so a
 slow client never blocks apply or other streams. When the outbox has room again
 the writer asks the hub to catch the stream's lagging watchers up from history.
+While the outbox is backlogged (a client sending requests faster than it reads
+their answers) the reader stops reading, so HTTP/2 flow control holds the client
+back instead of the server queueing answers without bound.
 """
 
 from __future__ import annotations
@@ -46,13 +49,14 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
         self, request_iterator: AsyncIterator[rpc_pb2.WatchRequest], context: Context
     ) -> None:
         wake = asyncio.Event()
+        room = asyncio.Event()
         stream = self.hub.open_stream(wake.set)
         reader = asyncio.get_running_loop().create_task(
-            self._read(request_iterator, stream, context)
+            self._read(request_iterator, stream, context, room)
         )
         reader.add_done_callback(lambda _: wake.set())
         try:
-            await self._write(stream, wake, reader, context)
+            await self._write(stream, wake, room, reader, context)
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -60,11 +64,18 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
             self.hub.close_stream(stream)
 
     async def _read(
-        self, requests: AsyncIterator[rpc_pb2.WatchRequest], stream: WatchStream, context: Context
+        self,
+        requests: AsyncIterator[rpc_pb2.WatchRequest],
+        stream: WatchStream,
+        context: Context,
+        room: asyncio.Event,
     ) -> None:
         hub = self.hub
         permitted = self.permitted
         async for req in requests:
+            while stream.backlogged:
+                room.clear()
+                await room.wait()
             kind = req.WhichOneof("request_union")
             if kind == "create_request":
                 if permitted is not None and not permitted(context, req.create_request):
@@ -80,6 +91,7 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
         self,
         stream: WatchStream,
         wake: asyncio.Event,
+        room: asyncio.Event,
         reader: asyncio.Task[None],
         context: Context,
     ) -> None:
@@ -95,6 +107,7 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
                 header.member_id = ids.member_id
                 header.raft_term = ids.raft_term
                 await context.write(response)
+            room.set()  # the outbox is empty: the reader may go on
             if stream.has_room and stream.unsynced():
                 self.hub.catch_up(stream)
                 if stream.outbox:

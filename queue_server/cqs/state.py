@@ -114,6 +114,13 @@ def parse_cqs_config(raw: object) -> tuple[list[tuple[str, str]], int, int]:
     return out, depth, prefetch
 
 
+TIMESTAMP_MIN_SECONDS = -62_135_596_800  # 0001-01-01T00:00:00Z
+TIMESTAMP_MAX_SECONDS = 253_402_300_799  # 9999-12-31T23:59:59Z
+"""google.protobuf.Timestamp's valid range. A notification's SLA outside it could
+not be shown as RFC 3339 (the Range view and watch consumers print it), so it is
+refused at publication, as a JSON SLA outside it already is."""
+
+
 def _sla_us(ts: Any) -> int:
     return int(ts.seconds) * 1_000_000 + int(ts.nanos) // 1000
 
@@ -137,6 +144,15 @@ def parse_publication(dto_type: str | None, value: bytes) -> Published:
         raise bad("parent_id is CQS-internal and cannot be published")
     if not n.HasField("sla_timestamp"):
         raise bad("sla_timestamp is required")
+    sla = n.sla_timestamp
+    if not (
+        TIMESTAMP_MIN_SECONDS <= sla.seconds <= TIMESTAMP_MAX_SECONDS
+        and 0 <= sla.nanos <= 999_999_999
+    ):
+        raise bad(
+            f"sla_timestamp (seconds {sla.seconds}, nanos {sla.nanos}) is not a valid "
+            "Timestamp (years 0001 to 9999, nanos 0 to 999999999)"
+        )
     return _published(
         dto_type, n.dto_type, n.dto_id, n.alias_name, _sla_us(n.sla_timestamp), n.tracking_id, bad
     )

@@ -28,6 +28,7 @@ node's (`dispatcher.py`).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,10 @@ class QueueFull(EtcdError):
 class InvalidQueueConfig(EtcdError):
     code = "INVALID_ARGUMENT"
     message = "etcdserver: invalid queue config"
+
+
+MAX_ACK_DEADLINE = 9_000_000_000
+"""etcd's largest lease TTL (lease.MaxLeaseTTL), in seconds."""
 
 
 @dataclass(slots=True)
@@ -84,8 +89,17 @@ class QueueSettings:
             s.dead_letter = str(raw.get("dead_letter", "")).encode()
             s.prefetch = int(raw.get("prefetch", DEFAULT_PREFETCH))
             s.max_depth = int(raw.get("max_depth", 0))
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:
+            # OverflowError: JSON's Infinity (Python's json reads it) as an int.
+            # Uncaught, it escaped apply, and replaying the entry stopped restarts.
             raise InvalidQueueConfig(f"etcdserver: invalid queue config: {e}") from e
+        if not (math.isfinite(s.ack_deadline) and s.ack_deadline <= MAX_ACK_DEADLINE):
+            # A delivery's ack deadline is a lease TTL to clients (LeaseKeepAlive
+            # answers it), so it has a lease's bounds.
+            raise InvalidQueueConfig(
+                "etcdserver: invalid queue config: ack_deadline is not a number of seconds "
+                f"up to {MAX_ACK_DEADLINE}"
+            )
         if s.ack_deadline < 0 or s.max_deliveries < 0 or s.prefetch < 1 or s.max_depth < 0:
             raise InvalidQueueConfig("etcdserver: invalid queue config: negative or zero limit")
         if b"/" in s.dead_letter:

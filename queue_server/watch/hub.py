@@ -56,7 +56,21 @@ EVENT_OVERHEAD_BYTES = 64
 CATCH_UP_REVISIONS = 1000
 """Revisions read from history per catch-up step (etcd's watchBatchMaxRevs)."""
 
+OUTBOX_PAUSE_RESPONSES = 1024
+"""Responses one stream may have waiting before the API layer stops reading the
+client's requests (so HTTP/2 flow control pushes back on it): created, cancel
+and progress responses carry no events, so the event and byte bounds above do
+not count them, and a client that sends watch creates without reading its
+answers would otherwise queue one response per create without bound."""
+DEFAULT_MAX_WATCHERS_PER_STREAM = 10_000
+"""Watchers one stream may hold (--max-watchers-per-stream; 0: no limit). etcd has
+no such limit; each watcher costs about 0.5 KB here (tests/integration/
+test_limits.py measures it), so this bounds one stream at about 5 MB, far above
+what clients use (etcd's clientv3 puts all of a client's watches with the same
+context on one stream; Kubernetes' apiserver has a few hundred)."""
+
 CANCEL_DUPLICATE_ID = "mvcc: duplicate watch ID provided on the WatchStream"
+CANCEL_TOO_MANY_WATCHERS = "mvcc: too many watchers on the WatchStream"
 CANCEL_EMPTY_RANGE = "mvcc: watcher range is empty"
 PROGRESS_WATCH_ID = -1
 """watch_id of a stream-wide progress response (etcd's InvalidWatchID)."""
@@ -126,6 +140,11 @@ class WatchStream:
         return self.outbox_events >= OUTBOX_MAX_EVENTS or self.outbox_bytes >= OUTBOX_MAX_BYTES
 
     @property
+    def backlogged(self) -> bool:
+        """So many responses wait that reading more requests should pause."""
+        return len(self.outbox) >= OUTBOX_PAUSE_RESPONSES
+
+    @property
     def has_room(self) -> bool:
         return self.outbox_events < OUTBOX_RESUME_EVENTS and self.outbox_bytes < OUTBOX_RESUME_BYTES
 
@@ -161,7 +180,13 @@ class WatchHub:
     handed to `queue_consumers` and receives deliveries instead of key events.
     """
 
-    def __init__(self, store_of: Callable[[], MVCCStore], max_response_bytes: int) -> None:
+    def __init__(
+        self,
+        store_of: Callable[[], MVCCStore],
+        max_response_bytes: int,
+        max_watchers_per_stream: int = DEFAULT_MAX_WATCHERS_PER_STREAM,
+    ) -> None:
+        self.max_watchers_per_stream = max_watchers_per_stream
         self._store_of = store_of
         self.max_response_bytes = max_response_bytes
         self._by_key: dict[bytes, set[Watcher]] = {}
@@ -210,6 +235,13 @@ class WatchHub:
             response.watch_id = PROGRESS_WATCH_ID
             response.canceled = True
             response.cancel_reason = CANCEL_EMPTY_RANGE
+            stream.push(response)
+            return
+        limit = self.max_watchers_per_stream
+        if limit and len(stream.watchers) >= limit:
+            response.watch_id = PROGRESS_WATCH_ID
+            response.canceled = True
+            response.cancel_reason = CANCEL_TOO_MANY_WATCHERS
             stream.push(response)
             return
         watch_id = req.watch_id

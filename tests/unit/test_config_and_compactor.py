@@ -16,6 +16,15 @@ def test_defaults_follow_etcd() -> None:
     assert c.listen_client_urls == ("http://localhost:2379",)
     assert c.max_request_bytes == 1536 * 1024 and c.max_txn_ops == 128
     assert c.listen_addresses() == ["localhost:2379"]
+    assert c.max_concurrent_streams == 2**32 - 1  # etcd's math.MaxUint32: no limit
+    assert c.max_watchers_per_stream == 10_000
+
+
+def test_stream_limits_from_flags() -> None:
+    c = parse_config(
+        ["--max-concurrent-streams", "100", "--max-watchers-per-stream", "0"], environ={}
+    )
+    assert (c.max_concurrent_streams, c.max_watchers_per_stream) == (100, 0)
 
 
 def test_environment_variables_set_flags_and_flags_win() -> None:
@@ -37,6 +46,8 @@ def test_environment_variables_set_flags_and_flags_win() -> None:
         ["--listen-client-urls", "127.0.0.1:2379"],
         ["--listen-client-urls", "http://127.0.0.1"],
         ["--max-request-bytes", "0"],
+        ["--max-concurrent-streams", "0"],
+        ["--max-watchers-per-stream", "-1"],
         ["--auto-compaction-retention", "abc"],
         ["--auto-compaction-mode", "revision", "--auto-compaction-retention", "1h"],
         ["--grpc-keepalive-min-time", "5x"],

@@ -115,6 +115,16 @@ async def test_excluded_alarms_are_ignored_and_others_still_count() -> None:
     assert (await ask(fake, "/health?exclude=NOSPACE&exclude=CORRUPT")).status == 200
 
 
+async def test_alarm_of_a_type_unknown_to_us_is_alarm_unknown() -> None:
+    """An open-enum alarm type (fuzzing activated type 88) must not break /health."""
+    fake = FakeServer()
+    fake.raise_alarm(88)
+    r = await ask(fake, "/health")
+    assert r.status == 503
+    assert verdict(r) == {"health": "false", "reason": "ALARM UNKNOWN"}
+    assert (await ask(fake, "/health?exclude=88")).status == 200
+
+
 async def test_no_leader_unless_serializable() -> None:
     fake = FakeServer()
     fake.leader = 0
