@@ -158,8 +158,9 @@ def test_quick_cqs(tmp_path: Path) -> None:
 
 def test_quick_cluster(tmp_path: Path) -> None:
     """The cluster suite in quick mode: three members of each kind started together,
-    put spread and to the leader, a linearizable range on a follower, and the time
-    until a put succeeds after the leader is killed."""
+    put spread and to the leader, a linearizable range on a follower, a queue across
+    members (ours: every message received, none twice), and the time until a put
+    succeeds after the leader is killed."""
     json_path = tmp_path / "results.json"
     done = run_harness(
         ["--quick", "--suite", "cluster", "--json", str(json_path), "--out-dir", str(tmp_path)]
@@ -170,8 +171,11 @@ def test_quick_cluster(tmp_path: Path) -> None:
         "3-member cluster put, 64 in flight",
         "3-member cluster put to the leader, 64 in flight",
         "3-member cluster linearizable range on a follower, 64 in flight",
+        "queue across members, 1 producer, 4 consumers",
         "leader failover",
     }
+    queue_row = rows["queue across members, 1 producer, 4 consumers"]["ours"]
+    assert queue_row["extra"]["lost"] == 0 and queue_row["extra"]["duplicates"] == 0
     etcd_installed = shutil.which("etcd") is not None
     for row in rows.values():
         kinds = ("ours", "etcd") if etcd_installed else ("ours",)
