@@ -129,7 +129,6 @@ class QueueInfo:
     name: bytes
     spelling: bytes
     next_idx: int = 1
-    depth: int = 0
     settings: QueueSettings = field(default_factory=QueueSettings)
     attempts: dict[int, int] = field(default_factory=dict)
     pending: SortedDict = field(default_factory=SortedDict)  # idx -> message key
@@ -141,6 +140,11 @@ class QueueInfo:
     acked: int = 0
     redelivered: int = 0
     dead_lettered: int = 0
+
+    @property
+    def depth(self) -> int:
+        """Messages queued: pending or held by a consumer."""
+        return len(self.pending) + len(self.holder)
 
     def dead_letter_name(self) -> bytes:
         return self.settings.dead_letter or self.name + b".dead"
@@ -235,7 +239,7 @@ class QueueState:
         return keys.message_key(spelling, qk.name, qk.idx, qk.key)
 
     def follow(self, revision: int, events: list[Event]) -> None:
-        """Store hook: depth, settings, consumers and pending messages in step
+        """Store hook: settings, consumers and pending messages in step
         with committed changes."""
         for e in events:
             key = e.kv.key
@@ -247,7 +251,6 @@ class QueueState:
             if qk.kind == "message":
                 q = self.queue(qk.name, qk.spelling)
                 if e.is_delete:
-                    q.depth -= 1
                     q.attempts.pop(qk.idx, None)
                     if q.pending.pop(qk.idx, None) is None:
                         slot = q.holder.pop(qk.idx, None)
@@ -256,7 +259,6 @@ class QueueState:
                             slot.held.pop(qk.idx, None)
                             self._dirty.add(q)  # room in its prefetch window
                 elif e.prev_kv is None:
-                    q.depth += 1
                     q.next_idx = max(q.next_idx, qk.idx + 1)
                     q.pending[qk.idx] = key
                     self._dirty.add(q)
@@ -406,7 +408,7 @@ class QueueState:
         ]
 
     def restore_state(self, state: list[Any], store: MVCCStore) -> None:
-        """Counters, consumers and assignments from the snapshot; depth, settings
+        """Counters, consumers and assignments from the snapshot; settings
         and message keys from the store."""
         self.queues = {}
         self._dirty.clear()
@@ -424,9 +426,7 @@ class QueueState:
                 if qk is None:
                     continue
                 if qk.kind == "message":
-                    q = self.queue(qk.name, qk.spelling)
-                    q.depth += 1
-                    q.pending[qk.idx] = kv.key
+                    self.queue(qk.name, qk.spelling).pending[qk.idx] = kv.key
                 elif qk.kind == "config":
                     self.queue(qk.name, qk.spelling).settings = QueueSettings.parse(kv.value)
         for name, consumers in held.items():
