@@ -24,7 +24,12 @@ Map of the package (imports point down this list, never up):
 - `tls.py`    the TLS flags' files -> gRPC credentials for client and peer URLs;
               `client_common_name(context)`, the client certificate's CN (the
               user name under --client-cert-auth, for auth).
-- `http_health.py` the --listen-metrics-urls listener: etcd's /health, /readyz, /livez.
+- `http_health.py` the --listen-metrics-urls listener: etcd's /health, /readyz, /livez,
+                 /metrics, and the dashboard (`/`, `/api/state`).
+- `metrics.py`   the Prometheus registry and the collector read at scrape time.
+- `dashboard.py` the dashboard's JSON; the page is `static/dashboard.html`.
+- `queue_stats.py` each queue's figures, for both of those.
+- `logs.py`      console or JSON log lines, with the request id of the call served.
 - `server.py` composition and lifecycle: start, serve, graceful stop; with
               --initial-cluster it puts `cluster.node.ClusterLog` (Raft) where
               the single-node log would be.

@@ -18,6 +18,7 @@ from typing import Any
 
 from queue_server.apply import StateMachine
 from queue_server.mq.dispatcher import Dispatcher
+from queue_server.queue_stats import cqs_queue_stats, etcd_queue_stats
 
 
 @dataclass
@@ -52,55 +53,6 @@ class DashboardSource:
             ],
             "revision": state.store.revision,
             "keys": state.store.key_count,
-            "queues": self._queues(),
-            "cqs": self._cqs(),
+            "queues": etcd_queue_stats(state, self.dispatcher(), self.clock()),
+            "cqs": cqs_queue_stats(state, self.wall()),
         }
-
-    def _queues(self) -> list[dict[str, Any]]:
-        dispatcher = self.dispatcher()
-        now = self.clock()
-        cqs = self.state.cqs
-        out = []
-        for q in sorted(self.state.queues.queues.values(), key=lambda q: q.name):
-            if cqs.is_cqs(q.name):
-                continue
-            out.append(
-                {
-                    "name": q.name.decode(errors="replace"),
-                    "depth": q.depth,
-                    "pending": len(q.pending),
-                    "in_flight": len(q.holder),
-                    "consumers": [
-                        {
-                            "id": s.consumer_id.decode(errors="replace"),
-                            "member": s.node.decode(errors="replace"),
-                            "holding": len(s.held),
-                        }
-                        for s in q.consumers.values()
-                    ],
-                    "delivered": q.delivered,
-                    "acked": q.acked,
-                    "redelivered": q.redelivered,
-                    "dead_lettered": q.dead_lettered,
-                    "oldest_pending_age_s": (
-                        round(dispatcher.oldest_pending_age(q, now), 3) if dispatcher else 0.0
-                    ),
-                }
-            )
-        return out
-
-    def _cqs(self) -> list[dict[str, Any]]:
-        now = self.wall()
-        out = []
-        for q in sorted(self.state.cqs.queues.values(), key=lambda q: q.name):
-            sla = q.tree.most_urgent_sla_us()
-            out.append(
-                {
-                    "name": q.name,
-                    "pending": len(q.tree),
-                    "in_flight": q.tree.in_flight,
-                    "subscriptions": [{"dto_type": t, "alias_name": a} for t, a in q.subscriptions],
-                    "sla_lag_s": None if sla is None else round(now - sla / 1e6, 3),
-                }
-            )
-        return out

@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 
 from queue_server.apply import StateMachine
 from queue_server.mq.dispatcher import Dispatcher
+from queue_server.queue_stats import cqs_queue_stats, etcd_queue_stats
 
 
 @dataclass
@@ -113,20 +114,15 @@ class StateCollector(Collector):
                 ("dead_lettered", "Messages moved to their dead-letter queue."),
             )
         }
-        dispatcher = self.dispatcher()
-        now = self.clock()
-        cqs = self.state.cqs
-        for q in self.state.queues.queues.values():
-            if cqs.is_cqs(q.name):
-                continue
-            name = [q.name.decode(errors="replace")]
-            depth.add_metric(name, q.depth)
-            pending.add_metric(name, len(q.pending))
-            in_flight.add_metric(name, len(q.holder))
-            consumers.add_metric(name, len(q.consumers))
-            age.add_metric(name, dispatcher.oldest_pending_age(q, now) if dispatcher else 0.0)
+        for row in etcd_queue_stats(self.state, self.dispatcher(), self.clock()):
+            name = [row["name"]]
+            depth.add_metric(name, row["depth"])
+            pending.add_metric(name, row["pending"])
+            in_flight.add_metric(name, row["in_flight"])
+            consumers.add_metric(name, len(row["consumers"]))
+            age.add_metric(name, row["oldest_pending_age_s"])
             for counter_name, family in counters.items():
-                family.add_metric(name, getattr(q, counter_name))
+                family.add_metric(name, row[counter_name])
         yield from (depth, pending, in_flight, consumers, age, *counters.values())
 
     def _cqs(self) -> Iterator[Metric]:
@@ -145,13 +141,11 @@ class StateCollector(Collector):
             "of it; 0 when none is pending).",
             labels=labels,
         )
-        now = self.wall()
-        for q in self.state.cqs.queues.values():
-            name = [q.name]
-            pending.add_metric(name, len(q.tree))
-            in_flight.add_metric(name, q.tree.in_flight)
-            sla = q.tree.most_urgent_sla_us()
-            lag.add_metric(name, 0.0 if sla is None else now - sla / 1e6)
+        for row in cqs_queue_stats(self.state, self.wall()):
+            name = [row["name"]]
+            pending.add_metric(name, row["pending"])
+            in_flight.add_metric(name, row["in_flight"])
+            lag.add_metric(name, row["sla_lag_s"] or 0.0)
         published = CounterMetricFamily(
             "queue_server_cqs_published", "Publications applied to CQS queues."
         )

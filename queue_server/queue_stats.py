@@ -1,0 +1,66 @@
+"""What an operator sees of each queue, read from the state at one moment.
+
+One reading serves both views: the dashboard's JSON (`dashboard.py`) and the
+Prometheus collector (`metrics.py`), so the two always agree on what a queue's
+depth, in-flight count or SLA lag is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from queue_server.apply import StateMachine
+from queue_server.mq.dispatcher import Dispatcher
+
+COUNTERS = ("delivered", "acked", "redelivered", "dead_lettered")
+"""The per-queue counters (since this process started) each etcd-key queue row has."""
+
+
+def etcd_queue_stats(
+    state: StateMachine, dispatcher: Dispatcher | None, now: float
+) -> list[dict[str, Any]]:
+    """One row per etcd-key queue (CQS queues left out), by name; `now` is the
+    dispatcher's clock (monotonic)."""
+    cqs = state.cqs
+    rows = []
+    for q in sorted(state.queues.queues.values(), key=lambda q: q.name):
+        if cqs.is_cqs(q.name):
+            continue
+        row: dict[str, Any] = {
+            "name": q.name.decode(errors="replace"),
+            "depth": q.depth,
+            "pending": len(q.pending),
+            "in_flight": len(q.holder),
+            "consumers": [
+                {
+                    "id": s.consumer_id.decode(errors="replace"),
+                    "member": s.node.decode(errors="replace"),
+                    "holding": len(s.held),
+                }
+                for s in q.consumers.values()
+            ],
+            "oldest_pending_age_s": (
+                round(dispatcher.oldest_pending_age(q, now), 3) if dispatcher else 0.0
+            ),
+        }
+        row.update((name, getattr(q, name)) for name in COUNTERS)
+        rows.append(row)
+    return rows
+
+
+def cqs_queue_stats(state: StateMachine, wall: float) -> list[dict[str, Any]]:
+    """One row per CQS queue, by name; `sla_lag_s` is `wall` (Unix seconds) minus
+    the most urgent pending SLA, None when nothing is pending."""
+    rows = []
+    for q in sorted(state.cqs.queues.values(), key=lambda q: q.name):
+        sla = q.tree.most_urgent_sla_us()
+        rows.append(
+            {
+                "name": q.name,
+                "pending": len(q.tree),
+                "in_flight": q.tree.in_flight,
+                "subscriptions": [{"dto_type": t, "alias_name": a} for t, a in q.subscriptions],
+                "sla_lag_s": None if sla is None else round(wall - sla / 1e6, 3),
+            }
+        )
+    return rows
