@@ -66,6 +66,7 @@ class Config:
     bcrypt_cost: int = 10
     max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS
     max_watchers_per_stream: int = DEFAULT_MAX_WATCHERS_PER_STREAM
+    grpc_transport: str = "native"
 
     @property
     def clustered(self) -> bool:
@@ -215,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_CONCURRENT_STREAMS,
         help="most concurrent gRPC streams (calls) per client connection; more wait "
         "on the client (default: no limit, as etcd)",
+    )
+    add(
+        "--grpc-transport",
+        default="native",
+        choices=("native", "grpcio"),
+        help="what serves gRPC on the client URLs: our own HTTP/2 transport, or "
+        "grpcio's server (the fallback while the native one matures)",
     )
     add(
         "--max-watchers-per-stream",
@@ -436,6 +444,7 @@ def parse_config(
         bcrypt_cost=a.bcrypt_cost,
         max_concurrent_streams=a.max_concurrent_streams,
         max_watchers_per_stream=a.max_watchers_per_stream,
+        grpc_transport=a.grpc_transport,
     )
     names = [name for name, _ in config.initial_cluster]
     if config.name not in names:

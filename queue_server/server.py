@@ -20,30 +20,31 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+from google.protobuf.descriptor import ServiceDescriptor
 from grpc import aio
 
 from cluster.membership import MemberInfo, Membership, member_id_for
 from cluster.node import ClusterLog
 from cluster.transport import PeerClients, peer_handler
 from etcdserverpb import (
-    cqs_pb2_grpc,
+    cqs_pb2,
     internal_pb2,
     rpc_pb2,
-    rpc_pb2_grpc,
-    v3election_pb2_grpc,
-    v3lock_pb2_grpc,
+    v3election_pb2,
+    v3lock_pb2,
 )
 from queue_server.api.auth import AuthService
-from queue_server.api.auth_gate import AuthGate, AuthorizingHandlers
+from queue_server.api.auth_gate import AuthGate, guard
 from queue_server.api.cqs import CqsService, QueueWaiters
 from queue_server.api.election import ElectionService
+from queue_server.api.grpcio_server import generic_handlers
 from queue_server.api.header import HeaderFiller
 from queue_server.api.kv import KVService
 from queue_server.api.lease import LeaseService
 from queue_server.api.lock import LockService
 from queue_server.api.maintenance import ClusterService, MaintenanceService
 from queue_server.api.observer import RpcObserver
-from queue_server.api.registry import GenericHandlersOnly
+from queue_server.api.service_table import service_methods
 from queue_server.api.watch import WatchService, run_progress_notifier
 from queue_server.apply import StateMachine
 from queue_server.auth.tokens import SimpleTokens
@@ -65,7 +66,17 @@ from queue_server.recipes.local_client import LocalClient
 from queue_server.storage.local_log import LocalLog
 from queue_server.storage.snapshot import CorruptSnapshotError
 from queue_server.storage.wal import WALCorruptError, WALGapError
-from queue_server.tls import Credentials, TLSError, ignored_on_http, load_credentials
+from queue_server.tls import (
+    Credentials,
+    TLSError,
+    ignored_on_http,
+    load_credentials,
+    server_ssl_context,
+)
+from queue_server.transport.grpc_protocol import ConnectionSettings
+from queue_server.transport.h2 import STREAM_CAP, Limits
+from queue_server.transport.methods import MethodTable
+from queue_server.transport.server import NativeServer
 from queue_server.watch.hub import WatchHub
 
 log = logging.getLogger(__name__)
@@ -107,7 +118,7 @@ class Server:
         self.session: NodeSession | None = None
         self.peer_server: aio.Server | None = None
         self._published = False
-        self.grpc_server: aio.Server | None = None
+        self.grpc_server: aio.Server | NativeServer | None = None
         self.bound_ports: list[int] = []
         self._lock_fd = -1
         self._compactor: asyncio.Task[None] | None = None
@@ -238,31 +249,28 @@ class Server:
             self._removed,
         )
         observer = RpcObserver(self.metrics.registry, cfg.warning_apply_duration)
-        server = aio.server(options=self._grpc_options(clients=True), interceptors=[observer])
         writes = QuotaGuard(self.log, self.state, cfg.quota_backend_bytes, member_id)
         ids = LeaseIdGenerator(member_id)
-        # Auth: every service is registered through the gate, which guards the
-        # methods that need a permission (queue_server/api/auth_gate.py).
+        # Auth: every method that needs a permission is guarded by the gate's
+        # middleware (queue_server/api/auth_gate.py).
         auth = AuthGate(self.state, SimpleTokens(self.state.auth, cfg.auth_token_ttl))
-        services = AuthorizingHandlers(GenericHandlersOnly(server), auth)
-        rpc_pb2_grpc.add_AuthServicer_to_server(
-            AuthService(auth, writes, header, cfg.bcrypt_cost), services
-        )
-        rpc_pb2_grpc.add_KVServicer_to_server(
-            KVService(self.state, writes, header, cfg.max_txn_ops), services
-        )
-        rpc_pb2_grpc.add_MaintenanceServicer_to_server(
-            MaintenanceService(
-                self.state,
-                self.log,
-                header,
-                lambda: _dir_size(cfg.data_dir),
-                self.log.snapshot_now,
-                membership.leader_id,
+        etcd = rpc_pb2.DESCRIPTOR.services_by_name
+        services: list[tuple[ServiceDescriptor, object]] = [
+            (etcd["Auth"], AuthService(auth, writes, header, cfg.bcrypt_cost)),
+            (etcd["KV"], KVService(self.state, writes, header, cfg.max_txn_ops)),
+            (
+                etcd["Maintenance"],
+                MaintenanceService(
+                    self.state,
+                    self.log,
+                    header,
+                    lambda: _dir_size(cfg.data_dir),
+                    self.log.snapshot_now,
+                    membership.leader_id,
+                ),
             ),
-            services,
-        )
-        rpc_pb2_grpc.add_ClusterServicer_to_server(ClusterService(membership, header), services)
+            (etcd["Cluster"], ClusterService(membership, header)),
+        ]
         self.watch_hub = WatchHub(
             lambda: self.state.store, cfg.max_request_bytes, cfg.max_watchers_per_stream
         )
@@ -297,11 +305,12 @@ class Server:
             dispatcher_on_commit(revision, events)
 
         self.state.commit_listener = on_commit
-        rpc_pb2_grpc.add_WatchServicer_to_server(
-            WatchService(self.watch_hub, header, auth.watch_permitted), services
-        )
-        rpc_pb2_grpc.add_LeaseServicer_to_server(
-            LeaseService(self.state, writes, self.expiry, header, ids, self.dispatcher), services
+        services.append((etcd["Watch"], WatchService(self.watch_hub, header, auth.watch_permitted)))
+        services.append(
+            (
+                etcd["Lease"],
+                LeaseService(self.state, writes, self.expiry, header, ids, self.dispatcher),
+            )
         )
         self.cqs_waiters = QueueWaiters()
         cqs_view = CqsWatchConsumers(
@@ -319,17 +328,29 @@ class Server:
             view_on_change(name)
 
         self.state.cqs.on_change = on_cqs_change
-        cqs_pb2_grpc.add_DtoChangeQueueServiceServicer_to_server(
-            CqsService(self.state, writes, self.cqs_waiters, cfg.cqs_visibility_timeout), services
+        services.append(
+            (
+                cqs_pb2.DESCRIPTOR.services_by_name["DtoChangeQueueService"],
+                CqsService(self.state, writes, self.cqs_waiters, cfg.cqs_visibility_timeout),
+            )
         )
         recipes = LocalClient(self.state, writes, self.watch_hub)
-        v3lock_pb2_grpc.add_LockServicer_to_server(LockService(recipes, header, ids), services)
-        v3election_pb2_grpc.add_ElectionServicer_to_server(
-            ElectionService(recipes, header, ids), services
+        services.append(
+            (
+                v3lock_pb2.DESCRIPTOR.services_by_name["Lock"],
+                LockService(recipes, header, ids),
+            )
         )
-        self.bound_ports += self._bind(server, cfg.listen_client_urls, "client")
-        await server.start()
-        self.grpc_server = server
+        services.append(
+            (
+                v3election_pb2.DESCRIPTOR.services_by_name["Election"],
+                ElectionService(recipes, header, ids),
+            )
+        )
+        table = MethodTable(
+            m for descriptor, servicer in services for m in service_methods(descriptor, servicer)
+        ).wrapped(observer.middleware, lambda method: guard(method, auth))
+        await self._serve_clients(table)
         if isinstance(self.log, ClusterLog):
             self.expiry.forward_keep_alive = self._forward_keep_alive
             self.log.on_restored = self._restored_from_leader
@@ -376,6 +397,47 @@ class Server:
             self.state.store.revision,
             term,
         )
+
+    async def _serve_clients(self, table: MethodTable) -> None:
+        """Serve `table` on the client URLs, with the transport --grpc-transport names."""
+        cfg = self.config
+        if cfg.grpc_transport == "grpcio":
+            server = aio.server(options=self._grpc_options(clients=True))
+            server.add_generic_rpc_handlers(generic_handlers(table))
+            self.bound_ports += self._bind(server, cfg.listen_client_urls, "client")
+            await server.start()
+            self.grpc_server = server
+            return
+        limits = Limits(
+            max_concurrent_streams=min(cfg.max_concurrent_streams, STREAM_CAP),
+            ping_min_interval=cfg.grpc_keepalive_min_time,
+        )
+        native = NativeServer(
+            ConnectionSettings(
+                table.by_raw_path(),
+                limits,
+                max_receive_message=cfg.max_request_bytes + GRPC_OVERHEAD_BYTES,
+                keepalive_interval=cfg.grpc_keepalive_interval,
+                keepalive_timeout=cfg.grpc_keepalive_timeout,
+            )
+        )
+        self.grpc_server = native
+        for url in cfg.listen_client_urls:
+            for warning in ignored_on_http(cfg.client_tls, url, "client"):
+                log.warning(warning)
+            address = url_to_address(url)
+            if address.startswith("unix:"):
+                raise StartupError(
+                    f"cannot listen on {url}: unix sockets need --grpc-transport grpcio"
+                )
+            host, _, port = address.rpartition(":")
+            tls = server_ssl_context(cfg.client_tls) if secure_url(url) else None
+            try:
+                self.bound_ports.append(await native.listen(host, int(port), tls))
+            except OSError as e:
+                raise StartupError(
+                    f"cannot listen on {address}: address in use or unavailable"
+                ) from e
 
     def _bind(self, server: aio.Server, urls: tuple[str, ...], kind: str) -> list[int]:
         """Listen on the client or peer URLs: https ones with that side's TLS

@@ -107,6 +107,20 @@ def server_credentials(files: TLSFiles) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([(key, cert)])
 
 
+def server_ssl_context(files: TLSFiles) -> ssl.SSLContext:
+    """TLS for the native transport's https client listeners: our certificate,
+    ALPN h2, TLS 1.2 or later (as etcd), and with --client-cert-auth a client
+    certificate signed by --trusted-ca-file (checked by `load_credentials` first)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(files.cert_file, files.key_file)
+    context.set_alpn_protocols(["h2"])
+    if files.client_cert_auth:
+        context.load_verify_locations(files.trusted_ca_file)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
 def channel_credentials(files: TLSFiles) -> grpc.ChannelCredentials:
     """Credentials for dialling a peer's https URL: verify it against the trusted
     CA (the system roots when none), and present our certificate if we have one."""

@@ -17,8 +17,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any, cast
 
-from grpc import aio
-
 from etcdserverpb import auth_pb2, internal_pb2, rpc_pb2, rpc_pb2_grpc
 from queue_server.api.auth_gate import AuthGate
 from queue_server.api.errors import abort, propose_or_abort
@@ -27,8 +25,9 @@ from queue_server.apply import Proposer
 from queue_server.auth import errors
 from queue_server.auth.passwords import BCRYPT_COST, check_password, hash_password
 from queue_server.errors import EtcdError
+from queue_server.transport.methods import Call
 
-Context = aio.ServicerContext[Any, Any]
+Context = Call
 
 
 class AuthService(rpc_pb2_grpc.AuthServicer):

@@ -1,6 +1,6 @@
 """Enforcement of auth on the wire: who is calling, and may they make this call.
 
-Who: `AuthGate.user_of(context)` reads the simple token from the gRPC metadata
+Who: `AuthGate.user_of(call)` reads the simple token from the gRPC metadata
 key `token` (what etcdctl, clientv3 and python etcd3 send; `authorization` is
 etcd's gateway spelling, also accepted). A token that is unknown, expired or
 void is `etcdserver: invalid auth token` (UNAUTHENTICATED), on which etcd
@@ -9,10 +9,10 @@ certificate's CN names the user (only a listener with --client-cert-auth asks fo
 certificates), as etcd does.
 
 Whether: `METHOD_RULES` maps each guarded method (its full gRPC path) to a small
-function that asks `queue_server.auth.perms.Checker`. `AuthorizingHandlers`
-stands between the generated `add_*Servicer_to_server` calls and the server and
-wraps each guarded method's behaviour with its rule, so the services themselves
-stay unaware of auth; while auth is disabled a call pays one attribute read.
+function that asks `queue_server.auth.perms.Checker`. `guard` is the middleware
+that wraps each guarded method's handler with its rule (on either transport), so
+the services themselves stay unaware of auth; while auth is disabled a call pays
+one attribute read.
 Watch is the exception: a refused watch is a canceled-watch response on a live
 stream, so `WatchService` asks `AuthGate.watch_permitted` per create request.
 
@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
-
-import grpc
-from grpc import aio
+from typing import Any
 
 from etcdserverpb import cqs_pb2, rpc_pb2, v3election_pb2, v3lock_pb2
 from queue_server.api.errors import abort
@@ -38,12 +35,7 @@ from queue_server.auth.perms import Checker
 from queue_server.auth.store import READ, WRITE
 from queue_server.auth.tokens import SimpleTokens
 from queue_server.errors import EtcdError
-from queue_server.tls import client_common_name
-
-Context = aio.ServicerContext[Any, Any]
-if TYPE_CHECKING:
-    MethodHandler = grpc.RpcMethodHandler[Any, Any]
-    GenericHandler = grpc.GenericRpcHandler[Any, Any]
+from queue_server.transport.methods import Call, Handler, Method
 
 TOKEN_METADATA_KEYS = ("token", "authorization")
 """etcd's rpctypes.TokenFieldNameGRPC and TokenFieldNameSwagger."""
@@ -63,30 +55,29 @@ class AuthGate:
     def enabled(self) -> bool:
         return self.store.enabled
 
-    def user_of(self, context: Context) -> str | None:
+    def user_of(self, call: Call) -> str | None:
         """The calling user (None: nobody), or InvalidAuthToken. While auth is
         disabled nobody is calling, whatever token is sent (etcd's AuthInfoFromCtx)."""
         if not self.enabled:
             return None
-        for key, value in context.invocation_metadata() or ():
+        for key, value in call.invocation_metadata():
             if key in TOKEN_METADATA_KEYS:
-                token = value.decode() if isinstance(value, bytes) else value
-                user = self.tokens.user_of(token)
+                user = self.tokens.user_of(value)
                 if user is None:
                     raise errors.InvalidAuthToken()
                 return user
-        return client_common_name(context)  # etcd's AuthInfoFromTLS
+        return call.client_common_name()  # etcd's AuthInfoFromTLS
 
     def lease_keys(self, lease_id: int) -> Iterable[bytes]:
         lease = self.state.lessor.leases.get(lease_id) if lease_id else None
         return lease.keys if lease is not None else ()
 
-    def watch_permitted(self, context: Context, request: rpc_pb2.WatchCreateRequest) -> bool:
+    def watch_permitted(self, call: Call, request: rpc_pb2.WatchCreateRequest) -> bool:
         """May this stream's user watch `request`'s range (READ)?"""
         if not self.enabled:
             return True
         try:
-            user = self.user_of(context)
+            user = self.user_of(call)
         except EtcdError:
             return False
         return self.checker.watch_permitted(user, request)
@@ -203,59 +194,55 @@ LeaseKeepAlive, LeaseTimeToLive, LeaseLeases; the Auth service guards itself and
 Watch asks per create request."""
 
 
-async def _enforce(gate: AuthGate, rule: Rule, request: Any, context: Context) -> None:
+async def _enforce(gate: AuthGate, rule: Rule, request: Any, call: Call) -> None:
     try:
-        rule(gate, gate.user_of(context), request)
+        rule(gate, gate.user_of(call), request)
     except EtcdError as e:
-        await abort(context, e)
+        await abort(call, e)
 
 
-def guard(handler: MethodHandler, gate: AuthGate, rule: Rule) -> MethodHandler:
-    """`handler` with `rule` checked before its behaviour runs (while enabled)."""
-    h: Any = handler
-    if h.unary_unary is not None:
-        inner_uu = h.unary_unary
+def guard(method: Method, gate: AuthGate) -> Handler:
+    """Middleware: `method`'s handler with its METHOD_RULES rule checked first
+    (while auth is enabled); methods without a rule are left as they are."""
+    rule = METHOD_RULES.get(method.path)
+    inner = method.handler
+    if rule is None:
+        return inner
+    if method.request_streaming:
+        if method.response_streaming:
+            return inner  # no bidi method has a rule (Watch asks per request)
 
-        async def unary_unary(request: Any, context: Context) -> Any:
-            if gate.enabled:
-                await _enforce(gate, rule, request, context)
-            return await inner_uu(request, context)
-
-        return h._replace(unary_unary=unary_unary)  # type: ignore[no-any-return]
-    if h.unary_stream is not None:
-        inner_us = h.unary_stream
-        if inspect.isasyncgenfunction(inner_us):
-
-            async def unary_stream_gen(request: Any, context: Context) -> AsyncIterator[Any]:
-                if gate.enabled:
-                    await _enforce(gate, rule, request, context)
-                async for response in inner_us(request, context):
-                    yield response
-
-            return h._replace(unary_stream=unary_stream_gen)  # type: ignore[no-any-return]
-
-        async def unary_stream(request: Any, context: Context) -> None:
-            if gate.enabled:
-                await _enforce(gate, rule, request, context)
-            await inner_us(request, context)
-
-        return h._replace(unary_stream=unary_stream)  # type: ignore[no-any-return]
-    if h.stream_unary is not None:
-        inner_su = h.stream_unary
-
-        async def stream_unary(requests: AsyncIterator[Any], context: Context) -> Any:
+        async def stream_unary(requests: AsyncIterator[Any], call: Call) -> Any:
             """The first message names what the stream works on (ReEnqueue's
             header): check it, then hand the whole stream on."""
+            assert rule is not None
             if gate.enabled:
                 it = aiter(requests)
                 first = await anext(it, None)
                 if first is not None:
-                    await _enforce(gate, rule, first, context)
+                    await _enforce(gate, rule, first, call)
                 requests = _prepend(first, it)
-            return await inner_su(requests, context)
+            return await inner(requests, call)
 
-        return h._replace(stream_unary=stream_unary)  # type: ignore[no-any-return]
-    return handler
+        return stream_unary
+    if inspect.isasyncgenfunction(inner):
+
+        async def unary_stream_gen(request: Any, call: Call) -> AsyncIterator[Any]:
+            assert rule is not None
+            if gate.enabled:
+                await _enforce(gate, rule, request, call)
+            async for response in inner(request, call):
+                yield response
+
+        return unary_stream_gen
+
+    async def unary(request: Any, call: Call) -> Any:
+        assert rule is not None
+        if gate.enabled:
+            await _enforce(gate, rule, request, call)
+        return await inner(request, call)
+
+    return unary
 
 
 async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -263,25 +250,3 @@ async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield first
     async for item in rest:
         yield item
-
-
-class AuthorizingHandlers:
-    """Stands in for the server in the generated `add_*Servicer_to_server` calls
-    (in front of `GenericHandlersOnly`) and guards the methods of METHOD_RULES."""
-
-    def __init__(self, services: Any, gate: AuthGate) -> None:
-        self.services = services
-        self.gate = gate
-
-    def add_generic_rpc_handlers(self, handlers: Sequence[GenericHandler]) -> None:
-        """Passed on; `GenericHandlersOnly` registers the same methods from
-        `add_registered_method_handlers`, where they are guarded."""
-        self.services.add_generic_rpc_handlers(handlers)
-
-    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
-        """The same methods, by name: the ones `GenericHandlersOnly` registers."""
-        guarded = {}
-        for name, handler in handlers.items():
-            rule = METHOD_RULES.get(f"/{service}/{name}")
-            guarded[name] = guard(handler, self.gate, rule) if rule is not None else handler
-        self.services.add_registered_method_handlers(service, guarded)

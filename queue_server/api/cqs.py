@@ -21,9 +21,6 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
-import grpc
-from grpc import aio
-
 from etcdserverpb import cqs_pb2, cqs_pb2_grpc, internal_pb2, rpc_pb2
 from queue_server.api.errors import abort, propose_checked
 from queue_server.apply import Proposer, StateMachine
@@ -38,8 +35,10 @@ from queue_server.cqs.state import (
 )
 from queue_server.cqs.tree import DEFAULT_DEPTH
 from queue_server.mq import keys
+from queue_server.transport.methods import Call
+from queue_server.transport.status import Status
 
-Context = aio.ServicerContext[object, object]
+Context = Call
 
 MAX_NOTIFICATIONS = 1000
 """BatchDequeue's cap on max_notifications."""
@@ -113,7 +112,7 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
         if why is None and any(not s.dto_type for s in request.subscriptions):
             why = "a subscription needs a dto_type"
         if why is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cqs: {why}")
+            await context.abort(Status.INVALID_ARGUMENT, f"cqs: {why}")
         config_key = b"/q/" + name.encode() + b"/config"
         found = self.state.store.get(config_key)
         settings: dict[str, object] = {}
@@ -152,10 +151,10 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
         await self._known(name, context)
         if request.max_notifications < 1:
             await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "cqs: max_notifications must be at least 1"
+                Status.INVALID_ARGUMENT, "cqs: max_notifications must be at least 1"
             )
         if request.prefix_depth < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "cqs: prefix_depth is negative")
+            await context.abort(Status.INVALID_ARGUMENT, "cqs: prefix_depth is negative")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0, request.wait_time_milliseconds) / 1000
         max_records = min(request.max_notifications, MAX_NOTIFICATIONS)
@@ -201,13 +200,13 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
         try:
             first = await stream.next(None)
             if first is _END:
-                await context.abort(grpc.StatusCode.CANCELLED, "cqs: stream ended without a Footer")
+                await context.abort(Status.CANCELLED, "cqs: stream ended without a Footer")
             if (
                 not isinstance(first, cqs_pb2.ReEnqueueRequest)
                 or first.WhichOneof("payload") != "header"
             ):
                 await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, "cqs: the first message must be a Header"
+                    Status.INVALID_ARGUMENT, "cqs: the first message must be a Header"
                 )
             name, token = first.header.queue_name, first.header.ack_token
             await self._known(name, context)
@@ -266,7 +265,7 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
                         await abort(context, e)
                 await flush(frame, False)
             elif frame is _END:
-                await context.abort(grpc.StatusCode.CANCELLED, "cqs: stream ended without a Footer")
+                await context.abort(Status.CANCELLED, "cqs: stream ended without a Footer")
             else:
                 assert isinstance(frame, cqs_pb2.ReEnqueueRequest)
                 kind = frame.WhichOneof("payload")
@@ -274,7 +273,7 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
                     await flush([], True)
                     return cqs_pb2.ReEnqueueResponse(acknowledged=True, items_enqueued=enqueued)
                 await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                    Status.INVALID_ARGUMENT,
                     "cqs: a second Header" if kind == "header" else "cqs: an empty message",
                 )
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from grpc import aio
-
 from etcdserverpb import rpc_pb2, v3election_pb2, v3election_pb2_grpc
 from queue_server.api.errors import abort_unknown
 from queue_server.api.header import HeaderFiller
@@ -29,8 +27,9 @@ from queue_server.recipes.mutex import (
     session_lease,
     wait_turn,
 )
+from queue_server.transport.methods import Call
 
-Context = aio.ServicerContext[object, object]
+Context = Call
 
 NOT_LEADER = "election: not leader"
 NO_LEADER = "election: no leader"

@@ -4,31 +4,28 @@ from __future__ import annotations
 
 from typing import NoReturn
 
-import grpc
-from grpc import aio
-
 from etcdserverpb import internal_pb2
 from queue_server.api.header import HeaderFiller
 from queue_server.apply import Proposer
 from queue_server.errors import EtcdError
+from queue_server.transport.methods import Call
+from queue_server.transport.status import Status
 
 
-async def abort(context: aio.ServicerContext[object, object], error: EtcdError) -> NoReturn:
+async def abort(context: Call, error: EtcdError) -> NoReturn:
     """End the call with the status etcd sends for `error`."""
-    await context.abort(getattr(grpc.StatusCode, error.code), error.text)
+    await context.abort(Status[error.code], error.text)
     raise AssertionError("unreachable: abort raises")
 
 
-async def abort_unknown(context: aio.ServicerContext[object, object], message: str) -> NoReturn:
+async def abort_unknown(context: Call, message: str) -> NoReturn:
     """End the call as etcd does for a plain (non-status) error: UNKNOWN + its text.
     etcd's lock and election recipes report their own errors this way."""
-    await context.abort(grpc.StatusCode.UNKNOWN, message)
+    await context.abort(Status.UNKNOWN, message)
     raise AssertionError("unreachable: abort raises")
 
 
-async def propose_checked(
-    log: Proposer, command: internal_pb2.Command, context: aio.ServicerContext[object, object]
-) -> object:
+async def propose_checked(log: Proposer, command: internal_pb2.Command, context: Call) -> object:
     """Propose `command`; end the call with its status if it fails (before or at
     apply), else return the apply result."""
     try:
@@ -43,7 +40,7 @@ async def propose_checked(
 async def propose_or_abort(
     log: Proposer,
     command: internal_pb2.Command,
-    context: aio.ServicerContext[object, object],
+    context: Call,
     header: HeaderFiller,
 ) -> object:
     """`propose_checked`, and the response's header filled."""

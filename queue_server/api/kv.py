@@ -7,8 +7,6 @@ etcd's status, fill the header.
 
 from __future__ import annotations
 
-from grpc import aio
-
 from etcdserverpb import internal_pb2, rpc_pb2, rpc_pb2_grpc
 from queue_server.api.errors import abort, propose_checked, propose_or_abort
 from queue_server.api.header import HeaderFiller
@@ -16,8 +14,9 @@ from queue_server.apply import Proposer, StateMachine
 from queue_server.errors import EtcdError
 from queue_server.kv import validation
 from queue_server.kv.executor import is_read_only
+from queue_server.transport.methods import Call
 
-Context = aio.ServicerContext[object, object]
+Context = Call
 Command = internal_pb2.Command
 
 

@@ -13,16 +13,15 @@ import time
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from grpc import aio
-
 from etcdserverpb import internal_pb2, rpc_pb2, rpc_pb2_grpc
 from queue_server.api.errors import propose_or_abort
 from queue_server.api.header import HeaderFiller
 from queue_server.apply import Proposer, StateMachine
 from queue_server.lease.expiry import ExpiryClock
 from queue_server.lease.ids import LeaseIdGenerator
+from queue_server.transport.methods import Call
 
-Context = aio.ServicerContext[object, object]
+Context = Call
 
 
 class DeliveryLeases(Protocol):

@@ -12,8 +12,6 @@ carry no gRPC status), e.g. UNKNOWN "etcdserver: requested lease not found".
 
 from __future__ import annotations
 
-from grpc import aio
-
 from etcdserverpb import v3lock_pb2, v3lock_pb2_grpc
 from queue_server.api.errors import abort_unknown
 from queue_server.api.header import HeaderFiller
@@ -21,8 +19,9 @@ from queue_server.errors import EmptyKey, EtcdError
 from queue_server.lease.ids import LeaseIdGenerator
 from queue_server.recipes.local_client import LocalClient
 from queue_server.recipes.mutex import SessionExpired, claim_and_wait, session_lease
+from queue_server.transport.methods import Call
 
-Context = aio.ServicerContext[object, object]
+Context = Call
 
 
 class LockService(v3lock_pb2_grpc.LockServicer):

@@ -13,8 +13,6 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
-from grpc import aio
-
 from cluster.membership import Membership
 from etcdserverpb import internal_pb2, rpc_pb2, rpc_pb2_grpc
 from queue_server.alarms import alarm_name
@@ -23,8 +21,9 @@ from queue_server.api.header import HeaderFiller
 from queue_server.apply import Proposer, StateMachine
 from queue_server.errors import EtcdError
 from queue_server.storage import snapshot
+from queue_server.transport.methods import Call
 
-Context = aio.ServicerContext[object, object]
+Context = Call
 _MembersResponse = TypeVar(
     "_MembersResponse",
     rpc_pb2.MemberListResponse,

@@ -1,4 +1,4 @@
-"""The gRPC interceptor that watches every call of the client port.
+"""The middleware that watches every call of the client port.
 
 What it owns, per call: a request id (set in `queue_server.logs.request_id` while
 the call is served, so every record logged meanwhile carries it); the counters
@@ -9,8 +9,9 @@ long", for a unary call that took longer than
 `--experimental-warning-apply-duration` (streams live as long as their client
 wants and are not timed).
 
-Each method's wrapper is built once and cached, so a call costs two counter
-increments, one clock read pair and a context variable set beyond the call.
+Each method's wrapper is built once, when the method table is wrapped, so a
+call costs two counter increments, one clock read pair and a context variable
+set beyond the call.
 """
 
 from __future__ import annotations
@@ -23,35 +24,34 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import grpc
-from grpc import aio
 from prometheus_client import CollectorRegistry, Counter
 
 from queue_server.logs import request_id
+from queue_server.transport.methods import Handler, Method
+from queue_server.transport.status import RpcError, Status
 
 log = logging.getLogger(__name__)
 
 Labels = tuple[str, str, str]
 
 
-def rpc_type(handler: grpc.RpcMethodHandler[Any, Any]) -> str:
-    """grpc-prometheus' grpc_type label of a method."""
-    if handler.request_streaming and handler.response_streaming:
-        return "bidi_stream"
-    if handler.request_streaming:
-        return "client_stream"
-    if handler.response_streaming:
-        return "server_stream"
-    return "unary"
-
-
-def code_name(code: grpc.StatusCode) -> str:
+def code_name(code: Status) -> str:
     """grpc-go's spelling of a code, as grpc-prometheus labels it (OK, NotFound...)."""
     name = "".join(w.capitalize() for w in code.name.split("_"))
     return {"Ok": "OK", "Cancelled": "Canceled"}.get(name, name)
 
 
-class RpcObserver(aio.ServerInterceptor):  # type: ignore[type-arg]
+def _outcome(error: BaseException | None) -> str:
+    if error is None:
+        return "OK"
+    if isinstance(error, RpcError):
+        return code_name(error.code)
+    if isinstance(error, asyncio.CancelledError):
+        return "Canceled"
+    return "Unknown"
+
+
+class RpcObserver:
     """Request ids, RPC counters and slow-request warnings for one server."""
 
     def __init__(
@@ -76,91 +76,48 @@ class RpcObserver(aio.ServerInterceptor):  # type: ignore[type-arg]
         self.warn_after = warn_after
         self.clock = clock
         self._ids = itertools.count(1)
-        # method -> (the handler it had, its wrapper): one wrapper per method
-        self._wrapped: dict[str, tuple[Any, Any]] = {}
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Any],
-        details: grpc.HandlerCallDetails,
-    ) -> Any:
-        handler = await continuation(details)
-        if handler is None:
-            return None
-        cached = self._wrapped.get(details.method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        wrapped = self._wrap(handler, details.method)
-        self._wrapped[details.method] = (handler, wrapped)
-        return wrapped
-
-    def _wrap(self, handler: Any, full_method: str) -> Any:
-        service, _, method = full_method.lstrip("/").rpartition("/")
-        kind = rpc_type(handler)
-        labels = (kind, service, method)
-        serializers = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if kind == "unary":
-            return grpc.unary_unary_rpc_method_handler(
-                self._call(handler.unary_unary, labels, timed=True), **serializers
-            )
-        if kind == "client_stream":
-            return grpc.stream_unary_rpc_method_handler(
-                self._call(handler.stream_unary, labels, timed=False), **serializers
-            )
-        behavior = handler.unary_stream if kind == "server_stream" else handler.stream_stream
-        wrapper = (
-            self._stream(behavior, labels)
-            if inspect.isasyncgenfunction(behavior)
-            else self._call(behavior, labels, timed=False)
-        )
-        if kind == "server_stream":
-            return grpc.unary_stream_rpc_method_handler(wrapper, **serializers)
-        return grpc.stream_stream_rpc_method_handler(wrapper, **serializers)
+    def middleware(self, method: Method) -> Handler:
+        """`method`'s handler, observed."""
+        labels = (method.kind, method.service, method.name)
+        if inspect.isasyncgenfunction(method.handler):
+            return self._stream(method.handler, labels)
+        return self._call(method.handler, labels, timed=method.kind == "unary")
 
     def _next_id(self) -> str:
         return f"{next(self._ids):x}"
 
-    def _done(self, labels: Labels, context: Any, error: BaseException | None) -> None:
-        code = context.code()
-        if isinstance(error, asyncio.CancelledError):
-            name = "Canceled"
-        elif code is not None:
-            name = code_name(code)
-        elif error is not None and not isinstance(error, aio.AbortError):
-            name = "Unknown"
-        else:
-            name = "OK"
-        self.handled.labels(*labels, name).inc()
+    def _done(self, labels: Labels, error: BaseException | None) -> None:
+        self.handled.labels(*labels, _outcome(error)).inc()
 
-    def _call(self, behavior: Any, labels: Labels, timed: bool) -> Any:
+    def _call(self, behavior: Any, labels: Labels, timed: bool) -> Handler:
         started = self.started.labels(*labels)
+        ok = self.handled.labels(*labels, "OK")
         clock = self.clock
         method = f"/{labels[1]}/{labels[2]}"
+        next_id = self._next_id
 
         async def call(request: Any, context: Any) -> Any:
             started.inc()
-            token = request_id.set(self._next_id())
-            error: BaseException | None = None
+            token = request_id.set(next_id())
             begin = clock()
             try:
-                return await behavior(request, context)
+                result = await behavior(request, context)
             except BaseException as e:
-                error = e
+                self._done(labels, e)
                 raise
             finally:
                 if timed:
                     took = clock() - begin
                     if took > self.warn_after:
                         self._slow(method, took, request)
-                self._done(labels, context, error)
                 request_id.reset(token)
+            ok.inc()
+            return result
 
         return call
 
-    def _stream(self, behavior: Any, labels: Labels) -> Any:
+    def _stream(self, behavior: Any, labels: Labels) -> Handler:
         started = self.started.labels(*labels)
 
         async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
@@ -174,7 +131,7 @@ class RpcObserver(aio.ServerInterceptor):  # type: ignore[type-arg]
                 error = e
                 raise
             finally:
-                self._done(labels, context, error)
+                self._done(labels, error)
 
         return stream
 

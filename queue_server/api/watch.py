@@ -16,16 +16,15 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
-from grpc import aio
-
 from etcdserverpb import rpc_pb2, rpc_pb2_grpc
 from queue_server.api.header import HeaderFiller
 from queue_server.auth.errors import PermissionDenied
+from queue_server.transport.methods import Call
 from queue_server.watch.hub import WatchHub, WatchStream
 
 log = logging.getLogger(__name__)
 
-Context = aio.ServicerContext[rpc_pb2.WatchRequest, rpc_pb2.WatchResponse]
+Context = Call
 
 DEFAULT_PROGRESS_INTERVAL = 600.0
 """etcd's default --experimental-watch-progress-notify-interval (10 minutes)."""

@@ -8,10 +8,11 @@ Theory of operation
 -------------------
 Proposals made while a write is in flight wait in `_pending`. One flusher task
 takes everything pending as one batch, hands the encoded records to the writer
-thread (one write + one fdatasync for the whole batch: group commit; a batch of
-one is written on the loop itself, which is idle then anyway), and, when
-the thread reports them durable, applies them in index order on the event loop
-and resolves each proposal's future. Nothing is applied before it is durable, so
+thread (one write + one fdatasync for the whole batch: group commit; a small
+batch with nothing else waiting is written on the loop itself, which is idle
+then anyway), and, when the thread reports them durable, starts the next
+batch's write and meanwhile applies the durable one in index order on the event
+loop and resolves each proposal's future. Nothing is applied before it is durable, so
 no reader ever sees a write that a crash could take back.
 
 Every `snapshot_count` applied entries the state is exported on the loop and
@@ -33,6 +34,7 @@ Only bytes cross to the writer thread; all state stays on the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -177,21 +179,42 @@ class LocalLog:
             self._flusher = loop.create_task(self._flush())
         return await future
 
-    async def _flush(self) -> None:
+    def _start_write(self, batch: list[_Proposal]) -> asyncio.Future[None]:
+        """Write and fsync `batch`: on the writer thread, or on the loop itself
+        for a small batch when nothing else waits (one client: no thread hop)."""
         loop = asyncio.get_running_loop()
+        data = b"".join([p.record for p in batch])
+        if len(batch) <= INLINE_BATCH and not self._snapshotting and not self._pending:
+            done: asyncio.Future[None] = loop.create_future()
+            try:
+                self.wal.write(data, batch[-1].index)
+            except BaseException as e:
+                done.set_exception(e)
+            else:
+                done.set_result(None)
+            return done
+        return loop.run_in_executor(self._writer, self.wal.write, data, batch[-1].index)
+
+    def _take_batch(self) -> list[_Proposal]:
+        batch = self._pending[:MAX_BATCH]
+        del self._pending[:MAX_BATCH]
+        return batch
+
+    async def _flush(self) -> None:
+        """Group commit, pipelined: as soon as one batch is durable the next
+        one's write starts, and the durable batch is applied meanwhile, so the
+        fsync of batch N+1 overlaps the apply (and the answers) of batch N."""
         apply = self.state_machine.apply
+        inflight: tuple[list[_Proposal], asyncio.Future[None]] | None = None
         try:
-            while self._pending:
-                batch = self._pending[:MAX_BATCH]
-                del self._pending[:MAX_BATCH]
-                data = b"".join([p.record for p in batch])
+            while inflight is not None or self._pending:
+                if inflight is None:
+                    batch = self._take_batch()
+                    inflight = (batch, self._start_write(batch))
+                batch, written = inflight
+                inflight = None
                 try:
-                    if len(batch) <= INLINE_BATCH and not self._snapshotting:
-                        self.wal.write(data, batch[-1].index)
-                    else:
-                        await loop.run_in_executor(
-                            self._writer, self.wal.write, data, batch[-1].index
-                        )
+                    await written
                 except WALFullError as e:
                     self._refuse_for_space(e, batch)
                     continue
@@ -199,6 +222,12 @@ class LocalLog:
                     self._fail(e, batch)
                     return
                 self.commits += 1
+                snapshot_due = (
+                    self.state_machine.applied_index + len(batch) >= self._next_snapshot_at
+                )
+                if self._pending and not snapshot_due:
+                    following = self._take_batch()
+                    inflight = (following, self._start_write(following))
                 for p in batch:
                     try:
                         result = apply(p.index, p.command)
@@ -218,6 +247,9 @@ class LocalLog:
                         self._next_snapshot_at = applied + self.snapshot_count
         finally:
             self._flusher = None
+            if inflight is not None:  # cancelled mid-way: the write goes on; wait for it
+                with contextlib.suppress(BaseException):
+                    await inflight[1]
 
     def _fail(self, error: BaseException, batch: list[_Proposal]) -> None:
         """The disk refused a write: nothing more can be made durable."""

@@ -1,0 +1,151 @@
+"""The fallback transport: the same method table served by grpcio's aio server
+(`--grpc-transport grpcio`).
+
+What belongs here: `GrpcioCall`, our `Call` over grpcio's `ServicerContext`,
+and `generic_handlers`, which registers the table as generic handlers. Generic
+ones only: for "registered methods" grpcio 1.6x keeps a pending task per method
+and waits on all of them for every incoming call, a cost linear in the ~33
+methods of etcd's services (more CPU than a whole Range).
+
+Requests that do not parse are answered as etcd (grpc-go) answers them:
+INTERNAL "grpc: error unmarshalling request: ..." for a unary request, INTERNAL
+"grpc: failed to unmarshal the received message ..." on a stream, instead of
+grpcio's UNKNOWN and a traceback per request. Each method's deserializer
+returns an `Undecodable` marker instead of raising.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc import aio
+
+from queue_server.tls import client_common_name
+from queue_server.transport.methods import (
+    STREAM_DECODE_ERROR,
+    UNARY_DECODE_ERROR,
+    Method,
+    MethodTable,
+)
+from queue_server.transport.status import RpcError, Status
+
+Context = aio.ServicerContext[Any, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Undecodable:
+    """What a request deserializer returns for bytes that do not parse."""
+
+    reason: str
+
+
+class GrpcioCall:
+    """A `Call` over one grpcio servicer context."""
+
+    __slots__ = ("context", "stream_error")
+
+    def __init__(self, context: Context) -> None:
+        self.context = context
+        self.stream_error: RpcError | None = None
+
+    def invocation_metadata(self) -> Sequence[tuple[str, str]]:
+        return [
+            (key, value.decode() if isinstance(value, bytes) else value)
+            for key, value in self.context.invocation_metadata() or ()
+        ]
+
+    def peer(self) -> str:
+        return str(self.context.peer())
+
+    def client_common_name(self) -> str | None:
+        return client_common_name(self.context)
+
+    def time_remaining(self) -> float | None:
+        remaining = self.context.time_remaining()
+        return None if remaining is None else float(remaining)
+
+    async def abort(self, code: Status, message: str) -> NoReturn:
+        raise RpcError(code, message)
+
+    async def write(self, message: Any) -> None:
+        await self.context.write(message)
+
+    async def requests(self, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """The request stream, ended with etcd's status at the first
+        undecodable message (which then wins over what the handler says next)."""
+        async for request in requests:
+            if isinstance(request, Undecodable):
+                self.stream_error = RpcError(Status.INTERNAL, STREAM_DECODE_ERROR + request.reason)
+                raise self.stream_error
+            yield request
+
+
+def _safe(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(raw: bytes) -> Any:
+        try:
+            return parse(raw)
+        except DecodeError as e:
+            return Undecodable(str(e))
+
+    return deserialize
+
+
+async def _abort(context: Context, error: RpcError) -> NoReturn:
+    await context.abort(grpc.StatusCode[error.code.name], error.message)
+    raise AssertionError("unreachable: abort raises")
+
+
+def _behavior(method: Method) -> Callable[..., Any]:
+    handler = method.handler
+    streamed_out = method.response_streaming and inspect.isasyncgenfunction(handler)
+
+    def arguments(request: Any, call: GrpcioCall) -> Any:
+        if method.request_streaming:
+            return call.requests(request)
+        if isinstance(request, Undecodable):
+            raise RpcError(Status.INTERNAL, UNARY_DECODE_ERROR + request.reason)
+        return request
+
+    if streamed_out:
+
+        async def stream_out(request: Any, context: Context) -> AsyncIterator[Any]:
+            call = GrpcioCall(context)
+            try:
+                async for item in handler(arguments(request, call), call):
+                    yield item
+            except RpcError as e:
+                await _abort(context, call.stream_error or e)
+
+        return stream_out
+
+    async def unary_out(request: Any, context: Context) -> Any:
+        call = GrpcioCall(context)
+        try:
+            return await handler(arguments(request, call), call)
+        except RpcError as e:
+            await _abort(context, call.stream_error or e)
+
+    return unary_out
+
+
+def generic_handlers(table: MethodTable) -> list[grpc.GenericRpcHandler[Any, Any]]:
+    """The table as grpcio generic handlers, one per service."""
+    by_service: dict[str, dict[str, grpc.RpcMethodHandler[Any, Any]]] = {}
+    for method in table.methods.values():
+        kind = {
+            "unary": grpc.unary_unary_rpc_method_handler,
+            "server_stream": grpc.unary_stream_rpc_method_handler,
+            "client_stream": grpc.stream_unary_rpc_method_handler,
+            "bidi_stream": grpc.stream_stream_rpc_method_handler,
+        }[method.kind]
+        by_service.setdefault(method.service, {})[method.name] = kind(
+            _behavior(method),
+            request_deserializer=_safe(method.parse),
+            response_serializer=method.serialize,
+        )
+    return [grpc.method_handlers_generic_handler(s, h) for s, h in by_service.items()]
