@@ -2,10 +2,17 @@
 
 Map of the package (imports point down this list, never up):
 
+- `transport/` the native gRPC server: HTTP/2 frames (`h2.py`, no I/O), calls
+              on a connection (`grpc_protocol.py`), the method table and the
+              `Call` interface handlers see (`methods.py`), listeners and stop
+              (`server.py`). Knows nothing of etcd. See docs/transport.md.
 - `api/`      gRPC servicers, one module per etcd service (and `cqs.py` for the
-              Change Queue Service): validate, call the core, translate errors
-              (`api/errors.py`), fill the response header. With `tls.py` and
-              `server.py`, the only parts of queue_server that import grpc.
+              Change Queue Service), written against `transport.methods.Call`:
+              validate, call the core, translate errors (`api/errors.py`), fill
+              the response header. `service_table.py` builds the method table,
+              `observer.py` and `auth_gate.py` are its middleware, and
+              `grpcio_server.py` serves it on grpcio (--grpc-transport grpcio);
+              with `tls.py` and `server.py`, the only parts that import grpc.
 - `apply.py`  the state machine: log commands -> results, deterministic.
 - `kv/`       KV request semantics: stateless validation and the executor that runs
               Range/Put/DeleteRange/Txn/Compaction on the store.

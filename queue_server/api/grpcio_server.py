@@ -75,6 +75,10 @@ class GrpcioCall:
     async def write(self, message: Any) -> None:
         await self.context.write(message)
 
+    async def write_many(self, messages: Sequence[Any]) -> None:
+        for message in messages:
+            await self.context.write(message)
+
     async def requests(self, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """The request stream, ended with etcd's status at the first
         undecodable message (which then wins over what the handler says next)."""

@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 
 Context = Call
 
+WRITE_BATCH = 256
+"""Responses handed to the transport in one write: what waited in the outbox
+since the last write goes out together, a bounded number at a time."""
+
 DEFAULT_PROGRESS_INTERVAL = 600.0
 """etcd's default --experimental-watch-progress-notify-interval (10 minutes)."""
 
@@ -97,15 +101,18 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
         ids = self.header
         while True:
             while stream.outbox:
-                response = stream.pop()
-                # The hub sets each response's revision (etcd's newResponseHeader:
-                # a compaction cancel has none); only the member's identity is
-                # added here, never the current revision.
-                header = response.header
-                header.cluster_id = ids.cluster_id
-                header.member_id = ids.member_id
-                header.raft_term = ids.raft_term
-                await context.write(response)
+                batch: list[rpc_pb2.WatchResponse] = []
+                while stream.outbox and len(batch) < WRITE_BATCH:
+                    response = stream.pop()
+                    # The hub sets each response's revision (etcd's
+                    # newResponseHeader: a compaction cancel has none); only the
+                    # member's identity is added here, never the current revision.
+                    header = response.header
+                    header.cluster_id = ids.cluster_id
+                    header.member_id = ids.member_id
+                    header.raft_term = ids.raft_term
+                    batch.append(response)
+                await context.write_many(batch)
             room.set()  # the outbox is empty: the reader may go on
             if stream.has_room and stream.unsynced():
                 self.hub.catch_up(stream)

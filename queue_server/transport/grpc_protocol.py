@@ -58,6 +58,8 @@ response streams wait): a client that does not read stops getting served."""
 MAX_OUTBOUND_BYTES = 64 * 1024 * 1024
 """A connection whose unsent bytes grow past this anyway (answers to requests
 already in flight) is dropped: its client is not reading."""
+FLUSH_NOW_BYTES = 256 * 1024
+"""Output a streaming writer may pile up before it is written at once."""
 PREFACE_TIMEOUT = 10.0
 """Seconds a new connection has to send the HTTP/2 preface and SETTINGS (or the
 TLS handshake is done by then): half-open and silent connections are closed."""
@@ -170,17 +172,36 @@ class NativeCall:
         raise RpcError(code, message)
 
     async def write(self, message: Any) -> None:
+        payload = self.method.serialize(message)
+        await self._send(MESSAGE_PREFIX.pack(0, len(payload)) + payload)
+
+    async def write_many(self, messages: Sequence[Any]) -> None:
+        serialize = self.method.serialize
+        pack = MESSAGE_PREFIX.pack
+        framed = []
+        for message in messages:
+            payload = serialize(message)
+            framed.append(pack(0, len(payload)))
+            framed.append(payload)
+        await self._send(b"".join(framed))
+
+    async def _send(self, data: bytes) -> None:
         if self.closed:
             return
         conn = self._conn
         h2 = conn.h2
-        payload = self.method.serialize(message)
         sid = self.stream_id
         if not self.headers_sent:
             self.headers_sent = True
             h2.send_headers(sid, header_blocks.RESPONSE_HEADERS)
-        h2.send_data(sid, MESSAGE_PREFIX.pack(0, len(payload)) + payload)
-        conn.schedule_flush()
+        h2.send_data(sid, data)
+        if len(h2.out) >= FLUSH_NOW_BYTES:
+            # Hand it to the socket now, so that its back pressure (pause_writing)
+            # applies to this writer, and let the loop serve others meanwhile.
+            conn.flush_now()
+            await asyncio.sleep(0)
+        else:
+            conn.schedule_flush()
         while not self.closed and (h2.backlog(sid) > STREAM_BACKLOG or conn.write_paused):
             waiter = conn.loop.create_future()
             self._write_waiter = waiter
@@ -254,6 +275,16 @@ class NativeCall:
             self._write_waiter = None
             if not waiter.done():
                 waiter.set_result(None)
+
+    def discard_unread(self) -> int:
+        """Drop a streamed request's unread messages; returns their bytes (a
+        unary request's were credited on arrival)."""
+        if not self.method.request_streaming:
+            return 0
+        size = sum(len(m) + 5 for m in self._messages) + len(self._inbuf)
+        self._messages.clear()
+        self._inbuf.clear()
+        return size
 
     def take_request(self) -> bytes | None:
         """The one message of a unary request (None: none, or more than one)."""
@@ -344,10 +375,17 @@ class GrpcConnection(asyncio.Protocol):
 
     # -- output --------------------------------------------------------------
 
+    def _quiet(self) -> bool:
+        """No call runs and no finished one still waits for window to send."""
+        return not self.calls and not self.h2.pending_output
+
     def schedule_flush(self) -> None:
         if not self._flush_pending:
             self._flush_pending = True
             self.loop.call_soon(self._flush)
+
+    def flush_now(self) -> None:
+        self._flush()
 
     def _flush(self) -> None:
         self._flush_pending = False
@@ -364,7 +402,7 @@ class GrpcConnection(asyncio.Protocol):
                 log.warning("client not reading; connection dropped peer=%s", self.peer_name)
                 transport.abort()
                 return
-        if h2.closed or (self.draining and not self.calls):
+        if h2.closed or (self.draining and self._quiet()):
             transport.close()
 
     # -- H2Events ------------------------------------------------------------
@@ -461,13 +499,17 @@ class GrpcConnection(asyncio.Protocol):
             self._closed(call)
             if call.task is not None:
                 call.task.cancel()
-            if not self.calls:
+            if self._quiet():
                 self.idle.set()
 
     def stream_writable(self, stream_id: int) -> None:
         call = self.calls.get(stream_id)
         if call is not None:
             call.wake_writer()
+        elif self._quiet():
+            self.idle.set()
+            if self.draining:
+                self.schedule_flush()
 
     def ping_acked(self, payload: bytes) -> None:
         if self._ping_timer is not None:
@@ -547,13 +589,15 @@ class GrpcConnection(asyncio.Protocol):
     def _finished(self, call: NativeCall) -> None:
         self.calls.pop(call.stream_id, None)
         self._closed(call)
-        if not self.calls:
+        if self._quiet():
             self.idle.set()
         self.schedule_flush()
 
-    @staticmethod
-    def _closed(call: NativeCall) -> None:
+    def _closed(self, call: NativeCall) -> None:
         call.closed = True
+        unread = call.discard_unread()
+        if unread:  # never read, but the client's window must not shrink for good
+            self.h2.consumed(call.stream_id, unread)
         if call.deadline_handle is not None:
             call.deadline_handle.cancel()
             call.deadline_handle = None
@@ -572,7 +616,7 @@ class GrpcConnection(asyncio.Protocol):
 
     def _preface_deadline(self) -> None:
         self._preface_timer = None
-        if not self.calls and self.h2.last_stream_id == 0 and self.transport is not None:
+        if not self.h2.handshaken and self.transport is not None:
             log.debug("connection sent no request in time; closed peer=%s", self.peer_name)
             self.transport.close()
 
@@ -580,11 +624,12 @@ class GrpcConnection(asyncio.Protocol):
         self._keepalive_timer = None
         if self.transport is None or self.transport.is_closing():
             return
-        self.h2.ping(b"keepaliv")
-        self.schedule_flush()
-        self._ping_timer = self.loop.call_later(
-            self.settings.keepalive_timeout, self._keepalive_expired
-        )
+        if self._ping_timer is None:  # one ping outstanding at a time, as grpc-go
+            self.h2.ping(b"keepaliv")
+            self.schedule_flush()
+            self._ping_timer = self.loop.call_later(
+                self.settings.keepalive_timeout, self._keepalive_expired
+            )
         self._keepalive_timer = self.loop.call_later(
             self.settings.keepalive_interval, self._keepalive
         )

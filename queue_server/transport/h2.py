@@ -304,7 +304,8 @@ class H2Connection:
         """Why the connection was closed by a connection error."""
         self._buf = bytearray()
         self._preface = False
-        self._settings_seen = False
+        self.handshaken = False
+        """The client's preface and first SETTINGS have arrived."""
         self._decoder = Decoder(max_header_list_size=limits.max_header_list_size)
         self._decoded: dict[bytes, list[tuple[bytes, bytes]]] = {}
         self._first_block = True
@@ -412,6 +413,11 @@ class H2Connection:
         self.send_headers(stream_id, headers)
         self.send_data(stream_id, data)
         self.send_trailers(stream_id, trailers)
+
+    @property
+    def pending_output(self) -> bool:
+        """Some stream still has data or trailers waiting for window."""
+        return bool(self._blocked)
 
     def backlog(self, stream_id: int) -> int:
         """Bytes of the stream waiting for flow-control window."""
@@ -559,12 +565,12 @@ class H2Connection:
                 sid &= 0x7FFFFFFF
                 payload = bytes(buf[pos + 9 : pos + 9 + length])
                 pos += 9 + length
-                if not self._settings_seen:
+                if not self.handshaken:
                     if ftype != SETTINGS or flags & FLAG_ACK:
                         raise _ConnectionError(
                             ErrorCode.PROTOCOL_ERROR, "first frame must be SETTINGS"
                         )
-                    self._settings_seen = True
+                    self.handshaken = True
                 if self._block_stream and ftype != CONTINUATION:
                     raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "expected CONTINUATION")
                 try:

@@ -51,6 +51,10 @@ class Call(Protocol):
         """Send one response message on a response stream (waits while the
         client's flow-control window or the connection is full)."""
 
+    async def write_many(self, messages: Sequence[Any]) -> None:
+        """Send several response messages at once (one DATA write on the native
+        transport); waits as `write` does."""
+
 
 @dataclass(frozen=True, slots=True)
 class Method:

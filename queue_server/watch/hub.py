@@ -370,16 +370,37 @@ class WatchHub:
                 for w in self._ranges:
                     if w.covers(key) and w.wants(event):
                         targets.setdefault(w, []).append(event)
+        built: dict[tuple[object, ...], tuple[rpc_pb2.WatchResponse, int]] = {}
         for watcher, evs in targets.items():
             if revision < watcher.next_revision:
                 continue  # created with a start revision still ahead
             if watcher.stream.full:
                 self._unsync(watcher, revision)
                 continue
-            self._deliver(watcher, revision, evs)
+            self._deliver(watcher, revision, evs, built)
 
-    def _deliver(self, watcher: Watcher, revision: int, events: Iterable[Event]) -> None:
+    def _deliver(
+        self,
+        watcher: Watcher,
+        revision: int,
+        events: Iterable[Event],
+        built: dict[tuple[object, ...], tuple[rpc_pb2.WatchResponse, int]] | None = None,
+    ) -> None:
+        """Queue `events` for `watcher`. Within one commit, watchers that get the
+        same events (many watchers of one key) share the first one's response,
+        copied in one call instead of built field by field again."""
         watcher.quiet_since_progress = False
+        key: tuple[object, ...] = ()
+        if built is not None and not watcher.fragment:
+            assert isinstance(events, list)
+            key = (watcher.prev_kv, *map(id, events))
+            same = built.get(key)
+            if same is not None:
+                response = rpc_pb2.WatchResponse()
+                response.CopyFrom(same[0])
+                response.watch_id = watcher.watch_id
+                watcher.stream.push(response, same[1])
+                return
         response = rpc_pb2.WatchResponse(watch_id=watcher.watch_id)
         self._header(response, revision)
         add = response.events.add
@@ -399,6 +420,9 @@ class WatchHub:
             for part in parts:
                 watcher.stream.push(part, size // len(parts))
         else:
+            if key:
+                assert built is not None
+                built[key] = (response, size)
             watcher.stream.push(response, size)
 
     def _fragments(self, response: rpc_pb2.WatchResponse) -> list[rpc_pb2.WatchResponse]:
