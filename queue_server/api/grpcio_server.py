@@ -99,6 +99,15 @@ def _safe(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     return deserialize
 
 
+def _passing_bytes(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
+    """`serialize`, letting through a message serialized already (`write_many`)."""
+
+    def serializer(message: Any) -> bytes:
+        return message if type(message) is bytes else serialize(message)
+
+    return serializer
+
+
 async def _abort(context: Context, error: RpcError) -> NoReturn:
     await context.abort(grpc.StatusCode[error.code.name], error.message)
     raise AssertionError("unreachable: abort raises")
@@ -150,6 +159,6 @@ def generic_handlers(table: MethodTable) -> list[grpc.GenericRpcHandler[Any, Any
         by_service.setdefault(method.service, {})[method.name] = kind(
             _behavior(method),
             request_deserializer=_safe(method.parse),
-            response_serializer=method.serialize,
+            response_serializer=_passing_bytes(method.serialize),
         )
     return [grpc.method_handlers_generic_handler(s, h) for s, h in by_service.items()]

@@ -76,6 +76,7 @@ class RpcObserver:
         self.warn_after = warn_after
         self.clock = clock
         self._ids = itertools.count(1)
+        self._handled: dict[tuple[Labels, str], Any] = {}
 
     def middleware(self, method: Method) -> Handler:
         """`method`'s handler, observed."""
@@ -88,7 +89,11 @@ class RpcObserver:
         return f"{next(self._ids):x}"
 
     def _done(self, labels: Labels, error: BaseException | None) -> None:
-        self.handled.labels(*labels, _outcome(error)).inc()
+        outcome = _outcome(error)
+        child = self._handled.get((labels, outcome))
+        if child is None:
+            child = self._handled[labels, outcome] = self.handled.labels(*labels, outcome)
+        child.inc()
 
     def _call(self, behavior: Any, labels: Labels, timed: bool) -> Handler:
         started = self.started.labels(*labels)

@@ -30,6 +30,10 @@ WRITE_BATCH = 256
 """Responses handed to the transport in one write: what waited in the outbox
 since the last write goes out together, a bounded number at a time."""
 
+WIRE_MEMO_BYTES = 512 * 1024
+"""Serialized responses remembered for other streams, in bytes (a commit's
+fan-out of small events many times over; large values are not held long)."""
+
 DEFAULT_PROGRESS_INTERVAL = 600.0
 """etcd's default --experimental-watch-progress-notify-interval (10 minutes)."""
 
@@ -47,6 +51,11 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
         self.header = header
         # Auth (queue_server.api.auth_gate): may this stream's user watch that range?
         self.permitted = permitted
+        # The hub hands one response object to the watchers of many streams
+        # (same watch id, same events): each is serialized once. Keyed by id(),
+        # holding the object so the id cannot be reused while it is here.
+        self._wire: dict[int, tuple[rpc_pb2.WatchResponse, bytes]] = {}
+        self._wire_bytes = 0
 
     async def Watch(
         self, request_iterator: AsyncIterator[rpc_pb2.WatchRequest], context: Context
@@ -99,11 +108,16 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
         context: Context,
     ) -> None:
         ids = self.header
+        wire = self._wire
         while True:
             while stream.outbox:
-                batch: list[rpc_pb2.WatchResponse] = []
+                batch: list[bytes] = []
                 while stream.outbox and len(batch) < WRITE_BATCH:
                     response = stream.pop()
+                    known = wire.get(id(response))
+                    if known is not None and known[0] is response:
+                        batch.append(known[1])  # the same response, for another stream
+                        continue
                     # The hub sets each response's revision (etcd's
                     # newResponseHeader: a compaction cancel has none); only the
                     # member's identity is added here, never the current revision.
@@ -111,7 +125,13 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
                     header.cluster_id = ids.cluster_id
                     header.member_id = ids.member_id
                     header.raft_term = ids.raft_term
-                    batch.append(response)
+                    payload = response.SerializeToString()
+                    self._wire_bytes += len(payload)
+                    if self._wire_bytes > WIRE_MEMO_BYTES:
+                        wire.clear()
+                        self._wire_bytes = len(payload)
+                    wire[id(response)] = (response, payload)
+                    batch.append(payload)
                 await context.write_many(batch)
             room.set()  # the outbox is empty: the reader may go on
             if stream.has_room and stream.unsynced():

@@ -180,7 +180,7 @@ class NativeCall:
         pack = MESSAGE_PREFIX.pack
         framed = []
         for message in messages:
-            payload = serialize(message)
+            payload = message if type(message) is bytes else serialize(message)
             framed.append(pack(0, len(payload)))
             framed.append(payload)
         await self._send(b"".join(framed))

@@ -132,8 +132,8 @@ class Limits:
     to send and would never reach the byte cap (CVE-2024-27316)."""
     reset_burst: float = 1000.0
     reset_rate: float = 200.0
-    """Client RST_STREAMs of live streams (and streams we refuse), as a token
-    bucket: a burst, then this many per second. Past it, GOAWAY
+    """Client RST_STREAMs of streams not answered yet (and streams we refuse),
+    as a token bucket: a burst, then this many per second. Past it, GOAWAY
     ENHANCE_YOUR_CALM (rapid reset, CVE-2023-44487). Clients cancel watches and
     calls, but not thousands a second for long."""
     junk_burst: float = 10_000.0
@@ -196,6 +196,7 @@ class _Stream:
         "received",
         "recv_window",
         "remote_closed",
+        "responded",
         "send_window",
         "stream_id",
         "unacked",
@@ -208,6 +209,7 @@ class _Stream:
         self.unacked = 0
         self.remote_closed = False
         self.local_closed = False
+        self.responded = False
         self.pending = bytearray()
         self.pending_end = False
         self.pending_trailers: bytes | None = None
@@ -357,6 +359,7 @@ class H2Connection:
         if self._first_block:
             block = TABLE_SIZE_ZERO + block
             self._first_block = False
+        stream.responded = True
         flags = FLAG_END_STREAM if end_stream else 0
         limit = self._peer_max_frame
         if len(block) <= limit:
@@ -795,7 +798,10 @@ class H2Connection:
             return
         self._blocked.pop(sid, None)
         self.events.stream_reset(sid)
-        if not self._resets.take():
+        # Only a reset before any answer is work thrown away (the rapid reset
+        # attack); cancelling a stream that was answered is how clients end a
+        # KeepAliveOnce or a watch.
+        if not stream.responded and not self._resets.take():
             raise _ConnectionError(ErrorCode.ENHANCE_YOUR_CALM, "too many stream resets")
 
     def _on_settings(self, flags: int, sid: int, payload: bytes) -> None:

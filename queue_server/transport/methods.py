@@ -53,7 +53,8 @@ class Call(Protocol):
 
     async def write_many(self, messages: Sequence[Any]) -> None:
         """Send several response messages at once (one DATA write on the native
-        transport); waits as `write` does."""
+        transport); waits as `write` does. An item that is `bytes` is a message
+        serialized already."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -387,18 +387,27 @@ class WatchHub:
         built: dict[tuple[object, ...], tuple[rpc_pb2.WatchResponse, int]] | None = None,
     ) -> None:
         """Queue `events` for `watcher`. Within one commit, watchers that get the
-        same events (many watchers of one key) share the first one's response,
-        copied in one call instead of built field by field again."""
+        same events (many watchers of one key) share the first one's response:
+        the very object when the watch id is the same too (watchers on other
+        streams: nothing changes a response once queued but the member identity
+        in its header, the same for all), else a copy made in one call instead of
+        built field by field again."""
         watcher.quiet_since_progress = False
         key: tuple[object, ...] = ()
         if built is not None and not watcher.fragment:
             assert isinstance(events, list)
             key = (watcher.prev_kv, *map(id, events))
+            own = (watcher.watch_id, *key)
+            same = built.get(own)
+            if same is not None:
+                watcher.stream.push(*same)
+                return
             same = built.get(key)
             if same is not None:
                 response = rpc_pb2.WatchResponse()
                 response.CopyFrom(same[0])
                 response.watch_id = watcher.watch_id
+                built[own] = (response, same[1])
                 watcher.stream.push(response, same[1])
                 return
         response = rpc_pb2.WatchResponse(watch_id=watcher.watch_id)
@@ -422,7 +431,7 @@ class WatchHub:
         else:
             if key:
                 assert built is not None
-                built[key] = (response, size)
+                built[key] = built[(watcher.watch_id, *key)] = (response, size)
             watcher.stream.push(response, size)
 
     def _fragments(self, response: rpc_pb2.WatchResponse) -> list[rpc_pb2.WatchResponse]:

@@ -500,3 +500,15 @@ def test_repeated_header_blocks_decode_right_as_the_table_changes() -> None:
     last = [dict(h) for _, h, _ in peer.events.requests]
     assert [d.get(b"x-a") for d in last] == [b"1", b"1", b"1", None, None]
     assert last[4].get(b"x-b") == b"2"
+
+
+def test_resets_of_answered_streams_are_not_rapid_reset() -> None:
+    """A client that cancels each stream once answered (etcd's KeepAliveOnce,
+    a closed watch) is not attacking: only unanswered resets count."""
+    peer = Peer(Limits(reset_burst=50, reset_rate=10))
+    for sid in range(1, 2000, 2):
+        peer.open(sid)
+        peer.conn.send_headers(sid, b"\x88")
+        peer.send(frame(RST_STREAM, 0, sid, (8).to_bytes(4, "big")))
+    assert not peer.conn.closed
+    assert len(peer.events.resets) == 1000
