@@ -84,22 +84,25 @@ def _framed_range(key: bytes) -> bytes:
     return b"\x00" + struct.pack(">I", len(message)) + message
 
 
+def _grpc_range(server: ServerProcess, body: Path) -> list[str]:
+    """nghttp2's flags for a gRPC KV/Range call whose framed request is `body`."""
+    return [
+        "-d",
+        str(body),
+        "-H",
+        "content-type: application/grpc",
+        "-H",
+        "te: trailers",
+        f"http://{server.endpoint}/etcdserverpb.KV/Range",
+    ]
+
+
 def test_nghttp_makes_a_grpc_call(server: ServerProcess, tmp_path: Path) -> None:
     nghttp = _need("nghttp", "apt-get install nghttp2-client")
     body = tmp_path / "range.bin"
     body.write_bytes(_framed_range(b"nghttp-key"))
     run = subprocess.run(
-        [
-            nghttp,
-            "-v",
-            "-d",
-            str(body),
-            "-H",
-            "content-type: application/grpc",
-            "-H",
-            "te: trailers",
-            f"http://{server.endpoint}/etcdserverpb.KV/Range",
-        ],
+        [nghttp, "-v", *_grpc_range(server, body)],
         capture_output=True,
         timeout=30,
     )
@@ -125,22 +128,7 @@ def test_h2load_drives_grpc_calls(server: ServerProcess, tmp_path: Path) -> None
     body = tmp_path / "range.bin"
     body.write_bytes(_framed_range(b"h2load-key"))
     run = subprocess.run(
-        [
-            h2load,
-            "-n",
-            "2000",
-            "-c",
-            "4",
-            "-m",
-            "8",
-            "-d",
-            str(body),
-            "-H",
-            "content-type: application/grpc",
-            "-H",
-            "te: trailers",
-            f"http://{server.endpoint}/etcdserverpb.KV/Range",
-        ],
+        [h2load, "-n", "2000", "-c", "4", "-m", "8", *_grpc_range(server, body)],
         capture_output=True,
         text=True,
         timeout=120,

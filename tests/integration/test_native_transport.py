@@ -55,6 +55,7 @@ from queue_server.transport.methods import (
 )
 from queue_server.transport.server import NativeServer
 from queue_server.transport.status import RpcError, Status
+from tests.support.h2_frames import Frame, frame
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
 """One event loop for the module: grpc.aio's completion-queue poller keeps to the
@@ -224,10 +225,6 @@ def request_headers(name: str) -> list[tuple[str, str]]:
     ]
 
 
-def frame(ftype: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
-    return struct.pack(">IBI", len(payload) << 8 | ftype, flags, sid) + payload
-
-
 def settings_frame(values: dict[int, int] | None = None) -> bytes:
     items = (values or {}).items()
     return frame(SETTINGS, 0, 0, b"".join(struct.pack(">HI", k, v) for k, v in items))
@@ -240,23 +237,6 @@ def window_update(sid: int, increment: int) -> bytes:
 def grpc_message(message: Any) -> bytes:
     payload: bytes = message.SerializeToString()
     return struct.pack(">BI", 0, len(payload)) + payload
-
-
-@dataclass
-class Frame:
-    type: int
-    flags: int
-    stream_id: int
-    payload: bytes
-
-    @property
-    def error_code(self) -> int:
-        offset = 4 if self.type == GOAWAY else 0
-        return int.from_bytes(self.payload[offset : offset + 4], "big")
-
-    @property
-    def last_stream_id(self) -> int:
-        return int.from_bytes(self.payload[:4], "big") & 0x7FFFFFFF
 
 
 @dataclass

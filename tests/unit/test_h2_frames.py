@@ -36,6 +36,7 @@ from queue_server.transport.h2 import (
     H2Connection,
     Limits,
 )
+from tests.support.h2_frames import Frame, frame, parse
 
 pytestmark = pytest.mark.unit
 
@@ -47,19 +48,6 @@ REQUEST = [
     ("content-type", "application/grpc"),
     ("te", "trailers"),
 ]
-
-
-@dataclass
-class Frame:
-    type: int
-    flags: int
-    stream_id: int
-    payload: bytes
-
-    @property
-    def error_code(self) -> int:
-        offset = 4 if self.type == GOAWAY else 0
-        return int.from_bytes(self.payload[offset : offset + 4], "big")
 
 
 @dataclass
@@ -96,25 +84,10 @@ class FakeClock:
         return self.now
 
 
-def frame(ftype: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
-    return struct.pack(">IBI", len(payload) << 8 | ftype, flags, sid) + payload
-
-
 def settings(**values: int) -> bytes:
     ids = {"initial_window": SETTINGS_INITIAL_WINDOW_SIZE, "max_frame": SETTINGS_MAX_FRAME_SIZE}
     payload = b"".join(struct.pack(">HI", ids[k], v) for k, v in values.items())
     return frame(SETTINGS, 0, 0, payload)
-
-
-def parse(out: bytes | bytearray) -> list[Frame]:
-    frames = []
-    pos = 0
-    while pos < len(out):
-        first, flags, sid = struct.unpack_from(">IBI", out, pos)
-        length = first >> 8
-        frames.append(Frame(first & 0xFF, flags, sid, bytes(out[pos + 9 : pos + 9 + length])))
-        pos += 9 + length
-    return frames
 
 
 class Peer:
