@@ -24,7 +24,8 @@ frame; a pure gRPC server (etcd included) fails some of them by design, which is
 comparison with etcd on the same run matters more than the absolute numbers.
 
 Usage (from the repository root; h2spec is built by
-``bash ../shared/tools/h2spec/build.sh /tmp/tools/h2spec``)::
+``scripts/build_h2spec.sh /tmp/tools/h2spec-run``, our driver over the h2spec library in
+../shared/tools/h2spec)::
 
     python scripts/h2spec_compare.py [--h2spec PATH] [--servers etcd,grpcio,native]
                                      [--out FILE.md] [--json FILE]
@@ -61,7 +62,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 """The checkout this script is in: queue-server runs from here unless --queue-server-dir."""
 SPECS = ("generic", "http2", "hpack")
 ALL_SERVERS = ("etcd", "grpcio", "native")
-DEFAULT_H2SPEC_PATHS = ("/tmp/tools/h2spec",)
+DEFAULT_H2SPEC_PATHS = ("/tmp/tools/h2spec-run", "/tmp/tools/h2spec")
 
 PASSED = "passed"
 FAILED = "failed"
@@ -747,7 +748,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="Run h2spec against etcd and queue-server (grpcio, native) and compare.",
     )
-    p.add_argument("--h2spec", help="h2spec binary (default: $H2SPEC, PATH, /tmp/tools/h2spec)")
+    p.add_argument(
+        "--h2spec",
+        help="h2spec binary (default: $H2SPEC, PATH, /tmp/tools/h2spec-run, /tmp/tools/h2spec)",
+    )
     p.add_argument(
         "--servers",
         default=",".join(ALL_SERVERS),
@@ -807,8 +811,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     h2spec = find_h2spec(args.h2spec)
     if h2spec is None:
         print(
-            "h2spec not found: build it with `bash ../shared/tools/h2spec/build.sh "
-            "/tmp/tools/h2spec` and/or pass --h2spec",
+            "h2spec not found: build it with `scripts/build_h2spec.sh "
+            "/tmp/tools/h2spec-run` and/or pass --h2spec",
             file=sys.stderr,
         )
         return 2

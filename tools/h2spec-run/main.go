@@ -1,5 +1,6 @@
-// Command h2spec-run runs every h2spec conformance case (generic, http2, hpack)
-// against one server and writes a JUnit report. It is our own small driver over
+// Command h2spec-run runs h2spec's conformance cases (generic, http2, hpack; or
+// the sections named as arguments, such as http2/6.9) against one server and
+// writes a JUnit report; -dryrun lists the cases. It is our own small driver over
 // the h2spec library in ../shared/tools/h2spec/upstream, whose own command is
 // not in that folder. Built by scripts/build_h2spec.sh.
 package main
@@ -19,7 +20,13 @@ func main() {
 	port := flag.Int("p", 2379, "server port")
 	timeout := flag.Int("o", 2, "seconds to wait for each answer")
 	junit := flag.String("j", "", "write a JUnit report here")
+	dryrun := flag.Bool("dryrun", false, "list the cases without running them")
+	version := flag.Bool("version", false, "print the version")
 	flag.Parse()
+	if *version {
+		fmt.Println("h2spec-run (the h2spec library of ../shared/tools/h2spec)")
+		return
+	}
 	c := &config.Config{
 		Host:         *host,
 		Port:         *port,
@@ -27,6 +34,8 @@ func main() {
 		Timeout:      time.Duration(*timeout) * time.Second,
 		MaxHeaderLen: 4000,
 		JUnitReport:  *junit,
+		DryRun:       *dryrun,
+		Sections:     flag.Args(),
 	}
 	ok, err := h2spec.Run(c)
 	if err != nil {
