@@ -135,6 +135,14 @@ def consume(channel: grpc.Channel, name: bytes) -> tuple[WatchStream, bytes, int
     return stream, consumer, stream.watch(consumer_key(name, consumer))
 
 
+def wait_registered(kv: rpc_pb2_grpc.KVStub, name: bytes) -> None:
+    """Until the queue's registry key `/q/{name}` exists (bounded by WAIT)."""
+    deadline = time.monotonic() + WAIT
+    while not kv.Range(rpc_pb2.RangeRequest(key=b"/q/" + name), timeout=WAIT).kvs:
+        assert time.monotonic() < deadline, f"/q/{name.decode()} was never written"
+        time.sleep(0.01)  # no event tells a client of this write but a watch of its own
+
+
 def produce(
     kv: rpc_pb2_grpc.KVStub, name: bytes, key: bytes, value: bytes = b"", lease: int = 0
 ) -> int:
@@ -689,6 +697,10 @@ def test_txn_consume_transform_produce(channel: grpc.Channel, kv: rpc_pb2_grpc.K
     produce(kv, b"tx-in", b"order-8", b"8")
     inputs, _, _ = consume(channel, b"tx-in")
     outputs, _, _ = consume(channel, b"tx-out")
+    # A consumer's registration (its key, then the queue's `/q/{name}`) is written
+    # after its watch is created; the revisions checked below must not see it.
+    for name in (b"tx-in", b"tx-out"):
+        wait_registered(kv, name)
     try:
         (d,) = inputs.events(1)
         assert suffix_of(d.kv.key) == b"order-7"
