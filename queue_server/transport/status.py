@@ -51,23 +51,3 @@ def encode_message(message: str) -> bytes:
     if all(b in _UNRESERVED for b in raw):
         return raw
     return b"".join(bytes((b,)) if b in _UNRESERVED else b"%%%02X" % b for b in raw)
-
-
-def decode_message(value: bytes) -> str:
-    """The inverse of `encode_message` (tolerant of malformed escapes, as grpc-go)."""
-    if b"%" not in value:
-        return value.decode("utf-8", "replace")
-    out = bytearray()
-    i = 0
-    while i < len(value):
-        b = value[i]
-        if b == 0x25 and i + 2 < len(value) + 0 and i + 2 <= len(value) - 1:
-            try:
-                out.append(int(value[i + 1 : i + 3], 16))
-                i += 3
-                continue
-            except ValueError:
-                pass
-        out.append(b)
-        i += 1
-    return out.decode("utf-8", "replace")
