@@ -31,6 +31,7 @@ Theory of operation:
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
@@ -289,8 +290,6 @@ class H2Connection:
         limits: Limits | None = None,
         clock: Callable[[], float] | None = None,
     ) -> None:
-        import time
-
         self.events = events
         self.limits = limits = limits or Limits()
         self.clock = clock or time.monotonic

@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import ssl
 
 from queue_server.transport.grpc_protocol import ConnectionSettings, GrpcConnection
-
-log = logging.getLogger(__name__)
 
 LISTEN_BACKLOG = 1024
 """Pending connections the kernel queues for us (benchmarks open hundreds at once)."""
