@@ -148,15 +148,14 @@ class Membership:
     # -- applying -----------------------------------------------------------------
 
     def _applied(self, change: ConfChange) -> None:
-        """A membership change reached this member's state machine."""
+        """A membership change reached this member's state machine (which
+        changed its member table in apply): the peer side follows."""
         if change.op is ConfChangeOp.ADD:
             urls = tuple(json.loads(change.context or b"{}").get("peer_urls", ()))
-            self.state.members.setdefault(change.node_id, ("", urls, ()))
             if self.peers is not None and urls and change.node_id != self.me.member_id:
                 self.peers.set_peer(change.node_id, urls[0])
             log.info("member added member=%x peer_urls=%s", change.node_id, ",".join(urls))
         elif change.op is ConfChangeOp.REMOVE:
-            self.state.members.pop(change.node_id, None)
             self.founders.pop(change.node_id, None)
             if self.peers is not None:
                 self.peers.remove_peer(change.node_id)

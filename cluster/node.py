@@ -38,6 +38,7 @@ bytes are what a lagging follower receives.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import secrets
@@ -65,10 +66,16 @@ from cluster.raft.messages import (
 from cluster.storage import RaftStorage, StoredEntry, encode_entry, encode_hard_state
 from cluster.transport import PeerClients
 from etcdserverpb import internal_pb2
-from queue_server.apply import ApplyResult, StateMachine
-from queue_server.errors import EtcdError, RequestTimeout, RequestTooLarge, ServerStopped
+from queue_server.apply import Applier, ApplyResult
+from queue_server.errors import (
+    EtcdError,
+    RequestTimeout,
+    RequestTooLarge,
+    ServerStopped,
+    TooManyRequests,
+)
 from queue_server.storage import snapshot as snapshot_format
-from queue_server.storage.local_log import ENTRY_HEADER_BYTES
+from queue_server.storage.local_log import ENTRY_HEADER_BYTES, MAX_UNAPPLIED
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +110,7 @@ class ClusterLog:
     def __init__(
         self,
         data_dir: str,
-        state: StateMachine,
+        applier: Applier,
         member_id: int,
         voters: list[int],
         peers: PeerClients,
@@ -113,7 +120,8 @@ class ClusterLog:
         max_request_bytes: int = 1_572_864,
         join: bool = False,
     ) -> None:
-        self.state_machine = state
+        self.applier = applier
+        self.state_machine = applier.state
         self.member_id = member_id
         self.peers = peers
         self.storage = RaftStorage(data_dir, fsync)
@@ -223,8 +231,10 @@ class ClusterLog:
 
     async def propose(self, command: internal_pb2.Command) -> ApplyResult:
         """Replicate `command`; its result once this member has applied it."""
-        if self._closed:
+        if self._closed or self.state_machine.failed is not None:
             raise ServerStopped()
+        if len(self._waiters) >= MAX_UNAPPLIED:
+            raise TooManyRequests()
         data = command.SerializeToString()
         if len(data) + ENTRY_HEADER_BYTES > self.max_request_bytes:
             raise RequestTooLarge()
@@ -515,17 +525,21 @@ class ClusterLog:
             return  # already in the restored state
         result: ApplyResult
         if e.kind is EntryKind.NORMAL and e.data:
-            try:
-                result = sm.apply(e.index, internal_pb2.Command.FromString(e.data))
-            except Exception:  # a bug: report it and keep the member alive, as LocalLog does
-                log.exception("apply failed index=%d", e.index)
-                sm.applied_index = max(sm.applied_index, e.index)
-                result = RequestTimeout("etcdserver: apply failed; see the server log")
-        else:
-            sm.applied_index = e.index  # a leader's empty entry or a membership change
+            # An ApplyFailed goes up: the member stops (fail-stop, as etcd panics).
+            result = self.applier.apply(e.index, internal_pb2.Command.FromString(e.data))
+        elif e.kind is EntryKind.CONF_CHANGE:
+            change = ConfChange.from_bytes(e.data)
+            urls = tuple(json.loads(change.context or b"{}").get("peer_urls", ()))
+            effects = sm.apply_member_change(
+                e.index, change.node_id, change.op is ConfChangeOp.ADD, urls
+            )
+            self.applier.sink(effects)
             result = _NO_RESULT
-            if e.kind is EntryKind.CONF_CHANGE and self.on_conf_change is not None:
-                self.on_conf_change(ConfChange.from_bytes(e.data))
+            if self.on_conf_change is not None:
+                self.on_conf_change(change)
+        else:
+            sm.skip(e.index)  # a leader's empty entry
+            result = _NO_RESULT
         self._results[e.index] = (e.term, result)
         if len(self._results) > KEEP_RESULTS:
             self._results.popitem(last=False)

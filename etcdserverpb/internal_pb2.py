@@ -26,7 +26,7 @@ from etcdserverpb import rpc_pb2 as etcdserverpb_dot_rpc__pb2
 from etcdserverpb import cqs_pb2 as etcdserverpb_dot_cqs__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x65tcdserverpb/internal.proto\x12\x15queue_server.internal\x1a\x16\x65tcdserverpb/rpc.proto\x1a\x16\x65tcdserverpb/cqs.proto\"\xd5\x05\n\x07\x43ommand\x12\'\n\x03put\x18\x01 \x01(\x0b\x32\x18.etcdserverpb.PutRequestH\x00\x12\x38\n\x0c\x64\x65lete_range\x18\x02 \x01(\x0b\x32 .etcdserverpb.DeleteRangeRequestH\x00\x12\'\n\x03txn\x18\x03 \x01(\x0b\x32\x18.etcdserverpb.TxnRequestH\x00\x12\x35\n\ncompaction\x18\x04 \x01(\x0b\x32\x1f.etcdserverpb.CompactionRequestH\x00\x12\x36\n\x0blease_grant\x18\x05 \x01(\x0b\x32\x1f.etcdserverpb.LeaseGrantRequestH\x00\x12\x38\n\x0clease_revoke\x18\x06 \x01(\x0b\x32 .etcdserverpb.LeaseRevokeRequestH\x00\x12+\n\x05\x61larm\x18\x07 \x01(\x0b\x32\x1a.etcdserverpb.AlarmRequestH\x00\x12<\n\rqueue_requeue\x18\x08 \x01(\x0b\x32#.queue_server.internal.QueueRequeueH\x00\x12\x38\n\x0b\x63qs_dequeue\x18\t \x01(\x0b\x32!.queue_server.internal.CqsDequeueH\x00\x12\x36\n\ncqs_settle\x18\n \x01(\x0b\x32 .queue_server.internal.CqsSettleH\x00\x12\x38\n\x0b\x63qs_enqueue\x18\x0b \x01(\x0b\x32!.queue_server.internal.CqsEnqueueH\x00\x12\x44\n\x11member_attributes\x18\x0c \x01(\x0b\x32\'.queue_server.internal.MemberAttributesH\x00\x12\x32\n\x04\x61uth\x18\r \x01(\x0b\x32\".queue_server.internal.AuthCommandH\x00\x42\x04\n\x02op\"\xe3\x05\n\x0b\x41uthCommand\x12\x36\n\x0b\x61uth_enable\x18\x01 \x01(\x0b\x32\x1f.etcdserverpb.AuthEnableRequestH\x00\x12\x38\n\x0c\x61uth_disable\x18\x02 \x01(\x0b\x32 .etcdserverpb.AuthDisableRequestH\x00\x12\x34\n\x08user_add\x18\x03 \x01(\x0b\x32 .etcdserverpb.AuthUserAddRequestH\x00\x12:\n\x0buser_delete\x18\x04 \x01(\x0b\x32#.etcdserverpb.AuthUserDeleteRequestH\x00\x12K\n\x14user_change_password\x18\x05 \x01(\x0b\x32+.etcdserverpb.AuthUserChangePasswordRequestH\x00\x12\x41\n\x0fuser_grant_role\x18\x06 \x01(\x0b\x32&.etcdserverpb.AuthUserGrantRoleRequestH\x00\x12\x43\n\x10user_revoke_role\x18\x07 \x01(\x0b\x32\'.etcdserverpb.AuthUserRevokeRoleRequestH\x00\x12\x34\n\x08role_add\x18\x08 \x01(\x0b\x32 .etcdserverpb.AuthRoleAddRequestH\x00\x12:\n\x0brole_delete\x18\t \x01(\x0b\x32#.etcdserverpb.AuthRoleDeleteRequestH\x00\x12M\n\x15role_grant_permission\x18\n \x01(\x0b\x32,.etcdserverpb.AuthRoleGrantPermissionRequestH\x00\x12O\n\x16role_revoke_permission\x18\x0b \x01(\x0b\x32-.etcdserverpb.AuthRoleRevokePermissionRequestH\x00\x42\t\n\x07request\"<\n\x0cQueueRequeue\x12\r\n\x05queue\x18\x01 \x01(\x0c\x12\x0b\n\x03idx\x18\x02 \x03(\x04\x12\x10\n\x08\x63onsumer\x18\x03 \x01(\x0c\"-\n\x14QueueRequeueResponse\x12\x15\n\rdead_lettered\x18\x01 \x03(\x04\"u\n\nCqsDequeue\x12\r\n\x05queue\x18\x01 \x01(\t\x12\x0b\n\x03max\x18\x02 \x01(\x05\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\x05\x12\x0e\n\x06now_ms\x18\x04 \x01(\x03\x12\x18\n\x10visible_until_ms\x18\x05 \x01(\x03\x12\x12\n\ntoken_base\x18\x06 \x01(\t\"g\n\x12\x43qsDequeueResponse\x12\x44\n\rnotifications\x18\x01 \x03(\x0b\x32-.dtoflow.changequeue.v1.DtoChangeNotification\x12\x0b\n\x03seq\x18\x02 \x03(\x04\"K\n\tCqsSettle\x12\r\n\x05queue\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\x0e\n\x06now_ms\x18\x03 \x01(\x03\x12\x0f\n\x07release\x18\x04 \x01(\x08\"$\n\x11\x43qsSettleResponse\x12\x0f\n\x07settled\x18\x01 \x01(\x05\"\x99\x01\n\nCqsEnqueue\x12\r\n\x05queue\x18\x01 \x01(\t\x12\x10\n\x08original\x18\x02 \x01(\t\x12\x30\n\x05items\x18\x03 \x03(\x0b\x32!.dtoflow.changequeue.v1.SplitItem\x12\x0e\n\x06now_ms\x18\x04 \x01(\x03\x12\x18\n\x10visible_until_ms\x18\x05 \x01(\x03\x12\x0e\n\x06\x63ommit\x18\x06 \x01(\x08\"&\n\x12\x43qsEnqueueResponse\x12\x10\n\x08\x65nqueued\x18\x01 \x01(\x05\"T\n\x10MemberAttributes\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\tpeer_urls\x18\x03 \x03(\t\x12\x13\n\x0b\x63lient_urls\x18\x04 \x03(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x65tcdserverpb/internal.proto\x12\x15queue_server.internal\x1a\x16\x65tcdserverpb/rpc.proto\x1a\x16\x65tcdserverpb/cqs.proto\"\xe5\x05\n\x07\x43ommand\x12\'\n\x03put\x18\x01 \x01(\x0b\x32\x18.etcdserverpb.PutRequestH\x00\x12\x38\n\x0c\x64\x65lete_range\x18\x02 \x01(\x0b\x32 .etcdserverpb.DeleteRangeRequestH\x00\x12\'\n\x03txn\x18\x03 \x01(\x0b\x32\x18.etcdserverpb.TxnRequestH\x00\x12\x35\n\ncompaction\x18\x04 \x01(\x0b\x32\x1f.etcdserverpb.CompactionRequestH\x00\x12\x36\n\x0blease_grant\x18\x05 \x01(\x0b\x32\x1f.etcdserverpb.LeaseGrantRequestH\x00\x12\x38\n\x0clease_revoke\x18\x06 \x01(\x0b\x32 .etcdserverpb.LeaseRevokeRequestH\x00\x12+\n\x05\x61larm\x18\x07 \x01(\x0b\x32\x1a.etcdserverpb.AlarmRequestH\x00\x12<\n\rqueue_requeue\x18\x08 \x01(\x0b\x32#.queue_server.internal.QueueRequeueH\x00\x12\x38\n\x0b\x63qs_dequeue\x18\t \x01(\x0b\x32!.queue_server.internal.CqsDequeueH\x00\x12\x36\n\ncqs_settle\x18\n \x01(\x0b\x32 .queue_server.internal.CqsSettleH\x00\x12\x38\n\x0b\x63qs_enqueue\x18\x0b \x01(\x0b\x32!.queue_server.internal.CqsEnqueueH\x00\x12\x44\n\x11member_attributes\x18\x0c \x01(\x0b\x32\'.queue_server.internal.MemberAttributesH\x00\x12\x32\n\x04\x61uth\x18\r \x01(\x0b\x32\".queue_server.internal.AuthCommandH\x00\x12\x0e\n\x06now_ms\x18\x0e \x01(\x03\x42\x04\n\x02op\"\xe3\x05\n\x0b\x41uthCommand\x12\x36\n\x0b\x61uth_enable\x18\x01 \x01(\x0b\x32\x1f.etcdserverpb.AuthEnableRequestH\x00\x12\x38\n\x0c\x61uth_disable\x18\x02 \x01(\x0b\x32 .etcdserverpb.AuthDisableRequestH\x00\x12\x34\n\x08user_add\x18\x03 \x01(\x0b\x32 .etcdserverpb.AuthUserAddRequestH\x00\x12:\n\x0buser_delete\x18\x04 \x01(\x0b\x32#.etcdserverpb.AuthUserDeleteRequestH\x00\x12K\n\x14user_change_password\x18\x05 \x01(\x0b\x32+.etcdserverpb.AuthUserChangePasswordRequestH\x00\x12\x41\n\x0fuser_grant_role\x18\x06 \x01(\x0b\x32&.etcdserverpb.AuthUserGrantRoleRequestH\x00\x12\x43\n\x10user_revoke_role\x18\x07 \x01(\x0b\x32\'.etcdserverpb.AuthUserRevokeRoleRequestH\x00\x12\x34\n\x08role_add\x18\x08 \x01(\x0b\x32 .etcdserverpb.AuthRoleAddRequestH\x00\x12:\n\x0brole_delete\x18\t \x01(\x0b\x32#.etcdserverpb.AuthRoleDeleteRequestH\x00\x12M\n\x15role_grant_permission\x18\n \x01(\x0b\x32,.etcdserverpb.AuthRoleGrantPermissionRequestH\x00\x12O\n\x16role_revoke_permission\x18\x0b \x01(\x0b\x32-.etcdserverpb.AuthRoleRevokePermissionRequestH\x00\x42\t\n\x07request\"<\n\x0cQueueRequeue\x12\r\n\x05queue\x18\x01 \x01(\x0c\x12\x0b\n\x03idx\x18\x02 \x03(\x04\x12\x10\n\x08\x63onsumer\x18\x03 \x01(\x0c\"-\n\x14QueueRequeueResponse\x12\x15\n\rdead_lettered\x18\x01 \x03(\x04\"u\n\nCqsDequeue\x12\r\n\x05queue\x18\x01 \x01(\t\x12\x0b\n\x03max\x18\x02 \x01(\x05\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\x05\x12\x0e\n\x06now_ms\x18\x04 \x01(\x03\x12\x18\n\x10visible_until_ms\x18\x05 \x01(\x03\x12\x12\n\ntoken_base\x18\x06 \x01(\t\"g\n\x12\x43qsDequeueResponse\x12\x44\n\rnotifications\x18\x01 \x03(\x0b\x32-.dtoflow.changequeue.v1.DtoChangeNotification\x12\x0b\n\x03seq\x18\x02 \x03(\x04\"K\n\tCqsSettle\x12\r\n\x05queue\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\x0e\n\x06now_ms\x18\x03 \x01(\x03\x12\x0f\n\x07release\x18\x04 \x01(\x08\"$\n\x11\x43qsSettleResponse\x12\x0f\n\x07settled\x18\x01 \x01(\x05\"\x99\x01\n\nCqsEnqueue\x12\r\n\x05queue\x18\x01 \x01(\t\x12\x10\n\x08original\x18\x02 \x01(\t\x12\x30\n\x05items\x18\x03 \x03(\x0b\x32!.dtoflow.changequeue.v1.SplitItem\x12\x0e\n\x06now_ms\x18\x04 \x01(\x03\x12\x18\n\x10visible_until_ms\x18\x05 \x01(\x03\x12\x0e\n\x06\x63ommit\x18\x06 \x01(\x08\"&\n\x12\x43qsEnqueueResponse\x12\x10\n\x08\x65nqueued\x18\x01 \x01(\x05\"T\n\x10MemberAttributes\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\tpeer_urls\x18\x03 \x03(\t\x12\x13\n\x0b\x63lient_urls\x18\x04 \x03(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,25 +34,25 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'etcdserverpb.internal_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_COMMAND']._serialized_start=103
-  _globals['_COMMAND']._serialized_end=828
-  _globals['_AUTHCOMMAND']._serialized_start=831
-  _globals['_AUTHCOMMAND']._serialized_end=1570
-  _globals['_QUEUEREQUEUE']._serialized_start=1572
-  _globals['_QUEUEREQUEUE']._serialized_end=1632
-  _globals['_QUEUEREQUEUERESPONSE']._serialized_start=1634
-  _globals['_QUEUEREQUEUERESPONSE']._serialized_end=1679
-  _globals['_CQSDEQUEUE']._serialized_start=1681
-  _globals['_CQSDEQUEUE']._serialized_end=1798
-  _globals['_CQSDEQUEUERESPONSE']._serialized_start=1800
-  _globals['_CQSDEQUEUERESPONSE']._serialized_end=1903
-  _globals['_CQSSETTLE']._serialized_start=1905
-  _globals['_CQSSETTLE']._serialized_end=1980
-  _globals['_CQSSETTLERESPONSE']._serialized_start=1982
-  _globals['_CQSSETTLERESPONSE']._serialized_end=2018
-  _globals['_CQSENQUEUE']._serialized_start=2021
-  _globals['_CQSENQUEUE']._serialized_end=2174
-  _globals['_CQSENQUEUERESPONSE']._serialized_start=2176
-  _globals['_CQSENQUEUERESPONSE']._serialized_end=2214
-  _globals['_MEMBERATTRIBUTES']._serialized_start=2216
-  _globals['_MEMBERATTRIBUTES']._serialized_end=2300
+  _globals['_COMMAND']._serialized_end=844
+  _globals['_AUTHCOMMAND']._serialized_start=847
+  _globals['_AUTHCOMMAND']._serialized_end=1586
+  _globals['_QUEUEREQUEUE']._serialized_start=1588
+  _globals['_QUEUEREQUEUE']._serialized_end=1648
+  _globals['_QUEUEREQUEUERESPONSE']._serialized_start=1650
+  _globals['_QUEUEREQUEUERESPONSE']._serialized_end=1695
+  _globals['_CQSDEQUEUE']._serialized_start=1697
+  _globals['_CQSDEQUEUE']._serialized_end=1814
+  _globals['_CQSDEQUEUERESPONSE']._serialized_start=1816
+  _globals['_CQSDEQUEUERESPONSE']._serialized_end=1919
+  _globals['_CQSSETTLE']._serialized_start=1921
+  _globals['_CQSSETTLE']._serialized_end=1996
+  _globals['_CQSSETTLERESPONSE']._serialized_start=1998
+  _globals['_CQSSETTLERESPONSE']._serialized_end=2034
+  _globals['_CQSENQUEUE']._serialized_start=2037
+  _globals['_CQSENQUEUE']._serialized_end=2190
+  _globals['_CQSENQUEUERESPONSE']._serialized_start=2192
+  _globals['_CQSENQUEUERESPONSE']._serialized_end=2230
+  _globals['_MEMBERATTRIBUTES']._serialized_start=2232
+  _globals['_MEMBERATTRIBUTES']._serialized_end=2316
 # @@protoc_insertion_point(module_scope)

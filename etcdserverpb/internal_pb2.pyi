@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Command(_message.Message):
-    __slots__ = ("put", "delete_range", "txn", "compaction", "lease_grant", "lease_revoke", "alarm", "queue_requeue", "cqs_dequeue", "cqs_settle", "cqs_enqueue", "member_attributes", "auth")
+    __slots__ = ("put", "delete_range", "txn", "compaction", "lease_grant", "lease_revoke", "alarm", "queue_requeue", "cqs_dequeue", "cqs_settle", "cqs_enqueue", "member_attributes", "auth", "now_ms")
     PUT_FIELD_NUMBER: _ClassVar[int]
     DELETE_RANGE_FIELD_NUMBER: _ClassVar[int]
     TXN_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class Command(_message.Message):
     CQS_ENQUEUE_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
     AUTH_FIELD_NUMBER: _ClassVar[int]
+    NOW_MS_FIELD_NUMBER: _ClassVar[int]
     put: _rpc_pb2.PutRequest
     delete_range: _rpc_pb2.DeleteRangeRequest
     txn: _rpc_pb2.TxnRequest
@@ -36,7 +37,8 @@ class Command(_message.Message):
     cqs_enqueue: CqsEnqueue
     member_attributes: MemberAttributes
     auth: AuthCommand
-    def __init__(self, put: _Optional[_Union[_rpc_pb2.PutRequest, _Mapping]] = ..., delete_range: _Optional[_Union[_rpc_pb2.DeleteRangeRequest, _Mapping]] = ..., txn: _Optional[_Union[_rpc_pb2.TxnRequest, _Mapping]] = ..., compaction: _Optional[_Union[_rpc_pb2.CompactionRequest, _Mapping]] = ..., lease_grant: _Optional[_Union[_rpc_pb2.LeaseGrantRequest, _Mapping]] = ..., lease_revoke: _Optional[_Union[_rpc_pb2.LeaseRevokeRequest, _Mapping]] = ..., alarm: _Optional[_Union[_rpc_pb2.AlarmRequest, _Mapping]] = ..., queue_requeue: _Optional[_Union[QueueRequeue, _Mapping]] = ..., cqs_dequeue: _Optional[_Union[CqsDequeue, _Mapping]] = ..., cqs_settle: _Optional[_Union[CqsSettle, _Mapping]] = ..., cqs_enqueue: _Optional[_Union[CqsEnqueue, _Mapping]] = ..., member_attributes: _Optional[_Union[MemberAttributes, _Mapping]] = ..., auth: _Optional[_Union[AuthCommand, _Mapping]] = ...) -> None: ...
+    now_ms: int
+    def __init__(self, put: _Optional[_Union[_rpc_pb2.PutRequest, _Mapping]] = ..., delete_range: _Optional[_Union[_rpc_pb2.DeleteRangeRequest, _Mapping]] = ..., txn: _Optional[_Union[_rpc_pb2.TxnRequest, _Mapping]] = ..., compaction: _Optional[_Union[_rpc_pb2.CompactionRequest, _Mapping]] = ..., lease_grant: _Optional[_Union[_rpc_pb2.LeaseGrantRequest, _Mapping]] = ..., lease_revoke: _Optional[_Union[_rpc_pb2.LeaseRevokeRequest, _Mapping]] = ..., alarm: _Optional[_Union[_rpc_pb2.AlarmRequest, _Mapping]] = ..., queue_requeue: _Optional[_Union[QueueRequeue, _Mapping]] = ..., cqs_dequeue: _Optional[_Union[CqsDequeue, _Mapping]] = ..., cqs_settle: _Optional[_Union[CqsSettle, _Mapping]] = ..., cqs_enqueue: _Optional[_Union[CqsEnqueue, _Mapping]] = ..., member_attributes: _Optional[_Union[MemberAttributes, _Mapping]] = ..., auth: _Optional[_Union[AuthCommand, _Mapping]] = ..., now_ms: _Optional[int] = ...) -> None: ...
 
 class AuthCommand(_message.Message):
     __slots__ = ("auth_enable", "auth_disable", "user_add", "user_delete", "user_change_password", "user_grant_role", "user_revoke_role", "role_add", "role_delete", "role_grant_permission", "role_revoke_permission")

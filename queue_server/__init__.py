@@ -1,43 +1,52 @@
 """queue_server: an etcd v3 server that is also a durable message queue.
 
-Map of the package (imports point down this list, never up):
+Map of the package, top first. Imports point down this list, never up, and
+never sideways between names that share a line; `tests/unit/test_package_layers.py`
+reads this list and checks every import against it. `cluster/` (Raft, peers,
+membership) lives beside the package and sits where its line says.
 
-- `transport/` the native gRPC server: HTTP/2 frames (`h2.py`, no I/O), calls
-              on a connection (`grpc_protocol.py`), the method table and the
-              `Call` interface handlers see (`methods.py`), listeners and stop
-              (`server.py`). Knows nothing of etcd. See docs/transport.md.
-- `api/`      gRPC servicers, one module per etcd service (and `cqs.py` for the
-              Change Queue Service), written against `transport.methods.Call`:
-              validate, call the core, translate errors (`api/errors.py`), fill
-              the response header. `service_table.py` builds the method table,
-              `observer.py` and `auth_gate.py` are its middleware, and
-              `grpcio_server.py` serves it on grpcio (--grpc-transport grpcio);
-              with `tls.py` and `server.py`, the only parts that import grpc.
-- `apply.py`  the state machine: log commands -> results, deterministic.
-- `kv/`       KV request semantics: stateless validation and the executor that runs
-              Range/Put/DeleteRange/Txn/Compaction on the store.
-- `mvcc/`     revisions, per-key history, tombstones, compaction. No I/O.
-- `mq/`       the etcd-key queue: key grammar, replicated queue state, dispatcher.
-- `cqs/`      the Change Queue Service: per-queue SLA tree, replicated CQS state,
-              the etcd watch view of CQS queues.
-- `auth/`     users, roles, permissions (replicated), the permission checker,
-              simple tokens; `api/auth.py` and `api/auth_gate.py` are its wire side.
-- `lease/`, `recipes/`, `watch/` leases and their clock, server-side lock and
-              election recipes, the watch hub.
-- `storage/`  the single-node durable log (WAL + group commit), snapshots, recovery.
+- `cli.py`      the `queue-server` command: flags -> Config -> Server, signals, exit status.
+- `server.py`   composition and lifecycle: builds the parts, hands them to the node
+                driver, binds the ports; graceful stop. With --initial-cluster it
+                puts `cluster.node.ClusterLog` (Raft) where the local log would be.
+- `api/`        gRPC servicers, one module per etcd service (and `cqs.py` for the
+                Change Queue Service), written against `transport.methods.Call`:
+                validate, propose or read, translate errors (`api/errors.py`), fill
+                the header. `service_table.py` builds the method table,
+                `observer.py` and `auth_gate.py` are its middleware, and
+                `grpcio_server.py` serves it on grpcio (--grpc-transport grpcio).
+- `tls.py`      the TLS flags' files -> server contexts and credentials.
+- `config.py`   flags and ETCD_* variables -> one frozen Config.
+- `http_health.py`, `dashboard.py`, `metrics.py` the --listen-metrics-urls
+                listener (/health, /readyz, /livez, /metrics, the dashboard), the
+                dashboard's JSON, the Prometheus registry and its collector.
+- `queue_stats.py` each queue's figures, for the dashboard and the metrics.
+- `recipes/`    server-side lock and election recipes (an in-process client).
+- `quota.py`    --quota-backend-bytes: the NOSPACE alarm before a write.
 - `compactor.py` auto-compaction policy (etcd's --auto-compaction-*).
-- `errors.py` the etcd errors the core reports, with their wire code and text.
-- `config.py`, `cli.py` flags and ETCD_* variables -> one frozen Config.
-- `tls.py`    the TLS flags' files -> gRPC credentials for client and peer URLs;
-              `client_common_name(context)`, the client certificate's CN (the
-              user name under --client-cert-auth, for auth).
-- `http_health.py` the --listen-metrics-urls listener: etcd's /health, /readyz, /livez,
-                 /metrics, and the dashboard (`/`, `/api/state`).
-- `metrics.py`   the Prometheus registry and the collector read at scrape time.
-- `dashboard.py` the dashboard's JSON; the page is `static/dashboard.html`.
-- `queue_stats.py` each queue's figures, for both of those.
-- `logs.py`      console or JSON log lines, with the request id of the call served.
-- `server.py` composition and lifecycle: start, serve, graceful stop; with
-              --initial-cluster it puts `cluster.node.ClusterLog` (Raft) where
-              the single-node log would be.
+- `cluster/`    the Raft log of a cluster member, its peers and membership.
+- `restore.py`  `queue-server restore`: a data dir from a snapshot file.
+- `storage/`    the single-node durable log (WAL + group commit), snapshots, recovery.
+- `node/`       the node driver: each applied command's effects to the parts that
+                act on them; the node's one clock (timer policies); which watches
+                are queue consumers (`node/consumers.py`).
+- `apply.py`    the state machine: log command -> result and `Effects`, deterministic,
+                fail-stop; `Applier`, the one path from a log into it.
+- `mq/`, `cqs/` the two queue products, plugged into the keyspace router: the
+                etcd-key queue (replicated state, delivery into watches, ack
+                policy, member session) and the Change Queue Service (SLA tree,
+                replicated state, the etcd watch view). Neither imports the other.
+- `keyspace/`   the queue keyspace `/q/` and `/queue/`: key grammar, the shared
+                config document, the router the KV executor calls.
+- `kv/`         KV request semantics: stateless validation and the executor that runs
+                Range/Put/DeleteRange/Txn/Compaction on the store.
+- `watch/`      the watch hub: watchers, fan-out, catch-up from history.
+- `lease/`, `auth/`, `alarms.py` leases and their expiry clock; users, roles,
+                permissions and tokens; the alarm table.
+- `mvcc/`       revisions, per-key history, tombstones, compaction. No I/O.
+- `errors.py`, `logs.py` the etcd errors the core reports (wire code and text);
+                console or JSON log lines.
+- `transport/`  the native gRPC server: HTTP/2 frames (`h2.py`, no I/O), calls on
+                a connection, the method table and the `Call` interface. Knows
+                nothing of etcd. See docs/transport.md.
 """

@@ -14,7 +14,9 @@ same `apply`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from google.protobuf.message import Message
@@ -22,14 +24,15 @@ from google.protobuf.message import Message
 from etcdserverpb import internal_pb2, rpc_pb2
 from queue_server.alarms import AlarmTable
 from queue_server.auth.store import AuthStore
-from queue_server.cqs import commands as cqs_commands
 from queue_server.cqs.state import CqsState
-from queue_server.errors import EtcdError, NoSpace
+from queue_server.errors import EtcdError, NoSpace, ServerStopped
+from queue_server.keyspace.router import KeyspaceRouter
 from queue_server.kv.executor import KVExecutor, is_read_only
 from queue_server.lease.lessor import Lessor
-from queue_server.mq.keys import parse as parse_queue_key
-from queue_server.mq.state import QueueState
-from queue_server.mvcc.store import Event, KeyValue, MVCCStore
+from queue_server.mq.state import Assignment, QueueState
+from queue_server.mvcc.store import Event, MVCCStore
+
+log = logging.getLogger(__name__)
 
 Command = internal_pb2.Command
 ApplyResult = Message | EtcdError
@@ -57,12 +60,52 @@ STATE_FORMAT = 1
 """Version of `export_state`'s layout; bump when it changes."""
 
 
-class StateMachine:
-    """Owns the MVCC store and the lease table; applies log commands in log order.
+@dataclass(slots=True)
+class Effects:
+    """What one applied command changed that the node must act on. Apply only
+    records it; the node driver (node/driver.py) carries it out."""
 
-    `commit_listener` (the node's watch hub) is told of every committed write
-    transaction's events, after the lease table has followed them.
-    """
+    commits: list[tuple[int, list[Event]]] = field(default_factory=list)
+    """Committed write transactions, in revision order: (revision, events)."""
+    assignments: list[Assignment] = field(default_factory=list)
+    """Messages handed to consumers (delivered by the node hosting each)."""
+    cqs_changed: set[str] = field(default_factory=set)
+    """CQS queues that may have gained visible notifications or lost in-flight ones."""
+    leases_granted: list[tuple[int, int]] = field(default_factory=list)
+    """(lease id, TTL) of leases granted."""
+    leases_revoked: list[int] = field(default_factory=list)
+    members_changed: bool = False
+    """A member published its name and URLs."""
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.commits
+            or self.assignments
+            or self.cqs_changed
+            or self.leases_granted
+            or self.leases_revoked
+            or self.members_changed
+        )
+
+
+NO_EFFECTS = Effects()
+
+
+class ApplyFailed(RuntimeError):
+    """An apply raised what no request should raise (a bug, or a damaged entry).
+
+    Fail-stop, as etcd panics: the failing write transaction was rolled back,
+    the state machine refuses everything from now on, and the member stops."""
+
+    def __init__(self, index: int, cause: BaseException) -> None:
+        super().__init__(f"apply failed at log index {index}: {cause!r}")
+        self.index = index
+        self.reported = False  # logged and told to the server once
+
+
+class StateMachine:
+    """Owns the MVCC store, the lease table and the queue keyspace; applies log
+    commands in log order. `apply` returns each command's result and `Effects`."""
 
     def __init__(self) -> None:
         self.lessor = Lessor()
@@ -71,52 +114,76 @@ class StateMachine:
         self.cqs = CqsState()
         # member id -> (name, peer URLs, client URLs), as members published them
         self.members: dict[int, tuple[str, tuple[str, ...], tuple[str, ...]]] = {}
-        self.queues = QueueState(self.cqs)
-        self.commit_listener: Callable[[int, list[Event]], None] | None = None
+        self.queues = QueueState()
+        self.router = KeyspaceRouter([self.cqs, self.queues])
+        self._effects = Effects()
         self._use_store(MVCCStore())
         self.applied_index = 0
+        self.failed: ApplyFailed | None = None
 
     def _use_store(self, store: MVCCStore) -> None:
         self.store = store
         store.on_commit = self._on_commit
-        self.kv = KVExecutor(
-            store,
-            self.lessor.exists,
-            self.queues.check_put,
-            self.queues.rewrite_put,
-            self.queues.rewrite_delete,
-            self.queues.begin_checks,
-            self._cqs_view,
-        )
-
-    def _cqs_view(self, key: bytes, end: bytes | None, revision: int) -> list[KeyValue]:
-        if not self.cqs.queues:
-            return []
-        return self.cqs.view_range(key, end, revision)
+        self.kv = KVExecutor(store, self.lessor.exists, self.router)
 
     def _on_commit(self, revision: int, events: list[Event]) -> None:
         self.lessor.follow(revision, events)
-        self.queues.follow(revision, events)
-        self.cqs.follow(events)
-        if self.commit_listener is not None:
-            self.commit_listener(revision, events)
+        self.router.follow(revision, events)
+        self._effects.commits.append((revision, events))
 
     # -- changes --------------------------------------------------------------
 
-    def apply(self, index: int, command: internal_pb2.Command) -> ApplyResult:
-        """Apply the command at log position `index`; returns the response message
-        (its header carries only the revision) or the error it failed with."""
+    def apply(self, index: int, command: internal_pb2.Command) -> tuple[ApplyResult, Effects]:
+        """Apply the command at log position `index`: its response message (its
+        header carries only the revision) or the error it failed with, and what
+        it changed that the node must act on. Raises `ApplyFailed` (and refuses
+        everything after) if applying raised anything but an `EtcdError`."""
+        if self.failed is not None:
+            raise self.failed
         if index <= self.applied_index:
             raise AssertionError(f"log index {index} applied twice (at {self.applied_index})")
         self.applied_index = index
-        result = self._apply(command)
-        self.queues.after_apply(self.store)
-        return result
+        try:
+            self.router.begin_command(command.now_ms)
+            result = self._apply(command)
+            self.router.after_apply(self.store)
+        except Exception as e:
+            self.failed = ApplyFailed(index, e)
+            self._effects = Effects()
+            raise self.failed from e
+        effects = self._effects
+        effects.assignments = self.queues.take_assignments()
+        effects.cqs_changed = self.cqs.take_changed()
+        effects.leases_granted, effects.leases_revoked = self.lessor.take_changes()
+        if not effects:
+            return result, NO_EFFECTS
+        self._effects = Effects()
+        return result, effects
+
+    def skip(self, index: int) -> None:
+        """A log entry with no command for the state machine (a new leader's
+        empty entry): it only moves the applied index."""
+        if self.failed is not None:
+            raise self.failed
+        if index > self.applied_index:
+            self.applied_index = index
+
+    def apply_member_change(
+        self, index: int, member_id: int, added: bool, peer_urls: tuple[str, ...]
+    ) -> Effects:
+        """A Raft membership change at `index`: the member joins with its peer URLs
+        (its name and client URLs come when it publishes them), or leaves."""
+        self.skip(index)
+        if added:
+            self.members.setdefault(member_id, ("", peer_urls, ()))
+        else:
+            self.members.pop(member_id, None)
+        return Effects(members_changed=True)
 
     def _apply(self, command: internal_pb2.Command) -> ApplyResult:
         kind = command.WhichOneof("op")
         try:
-            if self.alarms.no_space and _needs_space(kind, command):
+            if self.alarms.no_space and _needs_space(kind, command, self.router):
                 raise NoSpace()
             if kind == "put":
                 return self.kv.put(command.put)
@@ -143,6 +210,7 @@ class StateMachine:
             if kind == "member_attributes":
                 m = command.member_attributes
                 self.members[m.id] = (m.name, tuple(m.peer_urls), tuple(m.client_urls))
+                self._effects.members_changed = True
                 return m
             if kind == "auth":
                 return self.auth.apply(command.auth)
@@ -167,23 +235,19 @@ class StateMachine:
 
     # -- reads ----------------------------------------------------------------
 
-    def cqs_ack_of(self, r: rpc_pb2.DeleteRangeRequest) -> internal_pb2.Command | None:
-        """The CqsSettle a delete of one CQS delivery key `/q/{queue}/{seq}/{token}`
-        stands for, stamped with the proposer's clock now, or None for any other
-        delete."""
-        if r.range_end or not r.key.startswith(b"/q/"):
-            return None
-        qk = parse_queue_key(r.key)
-        if qk is None or qk.kind != "message" or not self.cqs.is_cqs(qk.name):
-            return None
-        return cqs_commands.settle(qk.name.decode(), [qk.key.decode(errors="replace")])
-
     def read_range(self, request: rpc_pb2.RangeRequest) -> rpc_pb2.RangeResponse:
+        self._check_serving()
         return self.kv.range(request)
 
     def read_txn(self, request: rpc_pb2.TxnRequest) -> rpc_pb2.TxnResponse:
         """A Txn with no writes in any branch: served without a log entry."""
+        self._check_serving()
         return self.kv.txn(request)
+
+    def _check_serving(self) -> None:
+        """After a failed apply nothing is served: the state may be half-changed."""
+        if self.failed is not None:
+            raise ServerStopped()
 
     # -- snapshots ------------------------------------------------------------
 
@@ -214,13 +278,58 @@ class StateMachine:
         self.applied_index = state["applied_index"]
 
 
-def _needs_space(kind: str | None, command: internal_pb2.Command) -> bool:
+def _needs_space(kind: str | None, command: internal_pb2.Command, router: KeyspaceRouter) -> bool:
     """What etcd's capped applier refuses under a NOSPACE alarm. A queue
     consumer's registry key is let through: consuming (and acknowledging) is how
     a full queue drains."""
     if kind == "put":
-        qk = parse_queue_key(command.put.key) if command.put.key.startswith(b"/q") else None
-        return qk is None or qk.kind != "consume"
+        return router.consumer_key(command.put.key) is None
     if kind in ("lease_grant", "cqs_enqueue"):
         return True
     return kind == "txn" and not is_read_only(command.txn)
+
+
+EffectsSink = Callable[[Effects], None]
+
+
+def _ignore_effects(effects: Effects) -> None:
+    return None
+
+
+class Applier:
+    """The one path from a log (the local log or Raft) into the state machine.
+
+    Each entry's effects go to `sink` (the node driver; nothing while a log is
+    replayed at startup, before the driver runs). An `ApplyFailed` is logged
+    once with what to do, `on_fatal` is told (the server stops), and the
+    error goes on up: the log that applied it refuses everything after.
+    """
+
+    def __init__(
+        self,
+        state: StateMachine,
+        sink: EffectsSink = _ignore_effects,
+        on_fatal: Callable[[ApplyFailed], None] | None = None,
+    ) -> None:
+        self.state = state
+        self.sink = sink
+        self.on_fatal = on_fatal
+
+    def apply(self, index: int, command: internal_pb2.Command) -> ApplyResult:
+        try:
+            result, effects = self.state.apply(index, command)
+        except ApplyFailed as e:
+            if not e.reported:
+                e.reported = True
+                log.critical(
+                    "%s; stopping: the entry is in the log and every start will replay it, "
+                    "so restore from a snapshot or report the bug",
+                    e,
+                    exc_info=e.__cause__,
+                )
+                if self.on_fatal is not None:
+                    self.on_fatal(e)
+            raise
+        if effects is not NO_EFFECTS:
+            self.sink(effects)
+        return result

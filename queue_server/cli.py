@@ -1,7 +1,8 @@
 """The `queue-server` command: parse the config, run the server until a signal.
 
 Exit status: 0 after a clean stop on SIGTERM/SIGINT; 1 when the server cannot start
-(bad flag value, busy port, unusable data dir), with the reason on stderr.
+(bad flag value, busy port, unusable data dir) or stopped because an apply failed
+(fail-stop), with the reason on stderr.
 `queue-server restore SNAPSHOT --data-dir DIR` makes a data dir from a snapshot
 (see `queue_server.restore`).
 """
@@ -31,8 +32,13 @@ async def serve(server: Server) -> None:
     except BaseException:
         await server.stop(grace=0)
         raise
-    await stop.wait()
-    logging.getLogger(__name__).info("received signal, stopping")
+    signalled = asyncio.ensure_future(stop.wait())
+    failed = asyncio.ensure_future(server.fatal.wait())
+    await asyncio.wait((signalled, failed), return_when=asyncio.FIRST_COMPLETED)
+    signalled.cancel()
+    failed.cancel()
+    if server.failed is None:
+        logging.getLogger(__name__).info("received signal, stopping")
     await server.stop()
 
 
@@ -75,6 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             runner.run(serve(server))
     except StartupError as e:
         print(f"queue-server: {e}", file=sys.stderr)
+        return 1
+    if server.failed is not None:  # fail-stop: the log line said why
+        print(f"queue-server: stopped: {server.failed}", file=sys.stderr)
         return 1
     return 0
 

@@ -1,8 +1,8 @@
 """Auto-compaction: when to compact, and to which revision (etcd's two modes).
 
 `CompactionPlanner` is the policy with time injected: it is told the time and the
-store's revision, and answers the revision to compact to, if any. `run_compactor`
-is the small task that feeds it the clock and proposes `Compaction` commands, so
+store's revision, and answers the revision to compact to, if any. `CompactionPolicy`
+is the node driver's timer policy that feeds it the clock and proposes `Compaction` commands, so
 the decision is made where the clock is read (the leader, in a cluster) and
 applied through the log like any other write.
 
@@ -16,13 +16,12 @@ applied through the log like any other write.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
-import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -85,20 +84,30 @@ class CompactionPlanner:
         return target
 
 
-async def run_compactor(
-    planner: CompactionPlanner,
-    current_revision: Callable[[], int],
-    compact: Callable[[int], Awaitable[None]],
-    clock: Callable[[], float] = time.monotonic,
-) -> None:
-    """Tick the planner forever (cancel the task to stop it)."""
-    while True:
-        await asyncio.sleep(planner.interval)
-        target = planner.tick(clock(), current_revision())
-        if target is None:
-            continue
+class CompactionPolicy:
+    """Timer policy: ticks the planner and proposes the compactions it asks for."""
+
+    def __init__(
+        self,
+        planner: CompactionPlanner,
+        current_revision: Callable[[], int],
+        compact: Callable[[int], Awaitable[None]],
+        spawn: Callable[[Coroutine[Any, Any, None]], object],
+    ) -> None:
+        self.planner = planner
+        self.interval = planner.interval
+        self.current_revision = current_revision
+        self.compact = compact
+        self.spawn = spawn
+
+    def due(self, now: float) -> None:
+        target = self.planner.tick(now, self.current_revision())
+        if target is not None:
+            self.spawn(self._compact(target))
+
+    async def _compact(self, target: int) -> None:
         try:
-            await compact(target)
-            log.info("auto-compaction revision=%d mode=%s", target, planner.mode)
+            await self.compact(target)
+            log.info("auto-compaction revision=%d mode=%s", target, self.planner.mode)
         except Exception as e:  # e.g. already compacted by a client: try next time
             log.warning("auto-compaction failed revision=%d error=%s", target, e)

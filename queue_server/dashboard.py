@@ -1,6 +1,6 @@
 """The live queue dashboard's data: the JSON that the page at `/` polls, `/api/state`.
 
-What belongs here: turning the state machine, the node's dispatcher and the member
+What belongs here: turning the state machine, the node's queue delivery table and the member
 table into what the page shows (every queue, etcd-key and CQS, with depth, in
 flight, consumers and their members, counters, oldest pending age, SLA lag;
 members and leader). The page is a static file of the package
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from queue_server.apply import StateMachine
-from queue_server.mq.dispatcher import Dispatcher
+from queue_server.mq.delivery import Delivery
 from queue_server.queue_stats import cqs_queue_stats, etcd_queue_stats
 
 
@@ -26,7 +26,7 @@ class DashboardSource:
     """What the dashboard reads, handed in by the server."""
 
     state: StateMachine
-    dispatcher: Callable[[], Dispatcher | None]
+    delivery: Callable[[], Delivery | None]
     member_id: int
     name: str
     leader_id: Callable[[], int]
@@ -53,6 +53,6 @@ class DashboardSource:
             ],
             "revision": state.store.revision,
             "keys": state.store.key_count,
-            "queues": etcd_queue_stats(state, self.dispatcher(), self.clock()),
+            "queues": etcd_queue_stats(state, self.delivery(), self.clock()),
             "cqs": cqs_queue_stats(state, self.wall()),
         }

@@ -10,17 +10,17 @@ from __future__ import annotations
 from typing import Any
 
 from queue_server.apply import StateMachine
-from queue_server.mq.dispatcher import Dispatcher
+from queue_server.mq.delivery import Delivery
 
 COUNTERS = ("delivered", "acked", "redelivered", "dead_lettered")
 """The per-queue counters (since this process started) each etcd-key queue row has."""
 
 
 def etcd_queue_stats(
-    state: StateMachine, dispatcher: Dispatcher | None, now: float
+    state: StateMachine, delivery: Delivery | None, now: float
 ) -> list[dict[str, Any]]:
     """One row per etcd-key queue (CQS queues left out), by name; `now` is the
-    dispatcher's clock (monotonic)."""
+    delivery's clock (monotonic)."""
     cqs = state.cqs
     rows = []
     for q in sorted(state.queues.queues.values(), key=lambda q: q.name):
@@ -40,7 +40,7 @@ def etcd_queue_stats(
                 for s in q.consumers.values()
             ],
             "oldest_pending_age_s": (
-                round(dispatcher.oldest_pending_age(q, now), 3) if dispatcher else 0.0
+                round(delivery.oldest_pending_age(q, now), 3) if delivery else 0.0
             ),
         }
         row.update((name, getattr(q, name)) for name in COUNTERS)

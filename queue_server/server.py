@@ -45,22 +45,26 @@ from queue_server.api.lock import LockService
 from queue_server.api.maintenance import ClusterService, MaintenanceService
 from queue_server.api.observer import RpcObserver
 from queue_server.api.service_table import service_methods
-from queue_server.api.watch import WatchService, run_progress_notifier
-from queue_server.apply import StateMachine
+from queue_server.api.watch import WatchService
+from queue_server.apply import Applier, ApplyFailed, StateMachine
 from queue_server.auth.tokens import SimpleTokens
-from queue_server.compactor import CompactionPlanner, parse_retention, run_compactor
+from queue_server.compactor import CompactionPlanner, CompactionPolicy, parse_retention
 from queue_server.config import GRPC_OVERHEAD_BYTES, Config, secure_url, url_to_address
 from queue_server.cqs.watch_view import CqsWatchConsumers
 from queue_server.dashboard import DashboardSource
 from queue_server.errors import EtcdError, LeaseNotFound
 from queue_server.http_health import HealthChecker, HealthListener, ListenError
-from queue_server.lease.expiry import ExpiryClock
+from queue_server.lease.expiry import ExpiryClock, ExpiryPolicy
 from queue_server.lease.ids import LeaseIdGenerator
 from queue_server.metrics import Membership as MetricsMembership
 from queue_server.metrics import ServerMetrics, StateCollector
-from queue_server.mq.dispatcher import Dispatcher
+from queue_server.mq.ack_policy import AckPolicy
+from queue_server.mq.delivery import Delivery
 from queue_server.mq.session import NodeSession
-from queue_server.mvcc.store import Event
+from queue_server.mvcc.store import MVCCStore
+from queue_server.node.consumers import ConsumerDirectory
+from queue_server.node.driver import NodeDriver, NodeParts
+from queue_server.node.timers import Every, Timers
 from queue_server.quota import QuotaGuard
 from queue_server.recipes.local_client import LocalClient
 from queue_server.storage.local_log import LocalLog
@@ -82,9 +86,6 @@ from queue_server.watch.hub import WatchHub
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_SECONDS = 5.0
-DISPATCHER_TICK_SECONDS = 0.5
-"""How often stuck consumers and ack deadlines are checked: half a second is fine
-against the 5 s stuck rule and second-granularity deadlines."""
 """How long in-flight calls may take to finish at shutdown before being cut."""
 
 
@@ -121,10 +122,15 @@ class Server:
         self.grpc_server: aio.Server | NativeServer | None = None
         self.bound_ports: list[int] = []
         self._lock_fd = -1
-        self._compactor: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
-        self.expiry = ExpiryClock()
+        self.timers = Timers(time.monotonic)
+        self.expiry = ExpiryClock(self.timers.clock)
+        self.driver = NodeDriver(self.timers)
+        self.applier = Applier(self.state, self.driver.applied, self._apply_failed)
+        self.failed: ApplyFailed | None = None
+        self.fatal = asyncio.Event()
+        """Set when the server must stop on its own (a failed apply)."""
         self.health: HealthListener | None = None
         self.metrics = ServerMetrics()
         self._leader_changes = 0
@@ -185,6 +191,7 @@ class Server:
     # -- lifecycle ------------------------------------------------------------
 
     async def start(self) -> None:
+        """Build the parts, hand them to the node driver, bind the ports."""
         cfg = self.config
         try:
             self.tls = load_credentials(cfg)
@@ -198,7 +205,7 @@ class Server:
         else:
             self.log = LocalLog(
                 cfg.data_dir,
-                self.state,
+                self.applier,
                 fsync=not cfg.unsafe_no_fsync,
                 snapshot_count=cfg.snapshot_count,
                 max_request_bytes=cfg.max_request_bytes,
@@ -208,16 +215,13 @@ class Server:
             self.log.recover()
         except OSError as e:
             raise StartupError(f"cannot read data dir {cfg.data_dir!r}: {e}") from e
-        except (CorruptSnapshotError, WALCorruptError, WALGapError) as e:
+        except (CorruptSnapshotError, WALCorruptError, WALGapError, ApplyFailed) as e:
             # Never serve a state that may be missing acknowledged writes.
             raise StartupError(f"data dir {cfg.data_dir!r} is damaged: {e}") from e
         if isinstance(self.log, LocalLog):
             self.log.on_no_space = lambda: self._disk_full(member_id)
         # Every lease gets a full TTL from now, as after an etcd leader election.
-        lessor = self.state.lessor
         self._rearm_leases()
-        lessor.on_grant = self.expiry.granted
-        lessor.on_revoke = self.expiry.revoked
 
         if isinstance(self.log, ClusterLog):
             term = self.log.term  # the Raft term, not the restart count
@@ -251,9 +255,61 @@ class Server:
         observer = RpcObserver(self.metrics.registry, cfg.warning_apply_duration)
         writes = QuotaGuard(self.log, self.state, cfg.quota_backend_bytes, member_id)
         ids = LeaseIdGenerator(member_id)
-        # Auth: every method that needs a permission is guarded by the gate's
-        # middleware (queue_server/api/auth_gate.py).
+        lessor = self.state.lessor
+        store_of = self._store_of
+        propose = self.log.propose
+        node_name = cfg.name.encode()
+
+        # The node-local parts, then the driver that feeds them what apply decides.
+        if isinstance(self.log, ClusterLog):
+            self.session = NodeSession(
+                propose, lessor, self.expiry, lambda: ids.next(lessor.leases)
+            )
+        clustered = self.session is not None
+        self.delivery = Delivery(
+            store_of,
+            self.state.queues,
+            node_name,
+            propose,
+            self._spawn,
+            self.timers.clock,
+            new_lease_id=lambda: ids.next(lessor.leases),
+            dispatching_node=self._dispatching_node if clustered else None,
+        )
+        cqs_view = CqsWatchConsumers(
+            self.state.cqs, store_of, propose, self._spawn, cfg.cqs_visibility_timeout
+        )
+        self.consumers = ConsumerDirectory(
+            self.state.router,
+            self.state.queues,
+            self.state.cqs,
+            self.delivery,
+            cqs_view,
+            store_of,
+            propose,
+            self._spawn,
+            session=self.session.lease if self.session is not None else None,
+            dispatching_node=self._dispatching_node if clustered else None,
+        )
+        self.watch_hub = WatchHub(
+            store_of, cfg.max_request_bytes, cfg.max_watchers_per_stream, self.consumers
+        )
+        self.cqs_waiters = QueueWaiters()
+        self.driver.start(
+            NodeParts(
+                self.watch_hub,
+                self.consumers,
+                self.delivery,
+                (self.cqs_waiters.notify, cqs_view.on_change),
+                self.expiry,
+            )
+        )
+        self.consumers.rebuild()
+        self._add_timer_policies()
+
+        # The services, their middleware, and the client ports.
         auth = AuthGate(self.state, SimpleTokens(self.state.auth, cfg.auth_token_ttl))
+        recipes = LocalClient(self.state, writes, self.watch_hub)
         etcd = rpc_pb2.DESCRIPTOR.services_by_name
         services: list[tuple[ServiceDescriptor, object]] = [
             (etcd["Auth"], AuthService(auth, writes, header, cfg.bcrypt_cost)),
@@ -270,83 +326,30 @@ class Server:
                 ),
             ),
             (etcd["Cluster"], ClusterService(membership, header)),
-        ]
-        self.watch_hub = WatchHub(
-            lambda: self.state.store, cfg.max_request_bytes, cfg.max_watchers_per_stream
-        )
-        lessor = self.state.lessor
-        if isinstance(self.log, ClusterLog):
-            self.session = NodeSession(
-                self.log.propose, lessor, self.expiry, lambda: ids.next(lessor.leases)
-            )
-        self.dispatcher = Dispatcher(
-            lambda: self.state.store,
-            self.state.queues,
-            cfg.name,
-            self.log.propose,
-            self._spawn,
-            new_lease_id=lambda: ids.next(lessor.leases),
-            session=self.session.lease if self.session is not None else None,
-            dispatching_node=self._dispatching_node if self.session is not None else None,
-        )
-        self.dispatcher.rebuild()
-        self.metrics.watch_state(
-            StateCollector(
-                self.state,
-                lambda: self.dispatcher,
-                MetricsMembership(membership.leader_id, member_id, lambda: self._leader_changes),
-            )
-        )
-        self.watch_hub.queue_consumers = self.dispatcher
-        hub_on_commit, dispatcher_on_commit = self.watch_hub.on_commit, self.dispatcher.on_commit
-
-        def on_commit(revision: int, events: list[Event]) -> None:
-            hub_on_commit(revision, events)
-            dispatcher_on_commit(revision, events)
-
-        self.state.commit_listener = on_commit
-        services.append((etcd["Watch"], WatchService(self.watch_hub, header, auth.watch_permitted)))
-        services.append(
+            (etcd["Watch"], WatchService(self.watch_hub, header, auth.watch_permitted)),
             (
                 etcd["Lease"],
-                LeaseService(self.state, writes, self.expiry, header, ids, self.dispatcher),
-            )
-        )
-        self.cqs_waiters = QueueWaiters()
-        cqs_view = CqsWatchConsumers(
-            self.state.cqs,
-            lambda: self.state.store,
-            self.log.propose,
-            self._spawn,
-            cfg.cqs_visibility_timeout,
-        )
-        self.dispatcher.cqs_view = cqs_view
-        waiters_notify, view_on_change = self.cqs_waiters.notify, cqs_view.on_change
-
-        def on_cqs_change(name: str) -> None:
-            waiters_notify(name)
-            view_on_change(name)
-
-        self.state.cqs.on_change = on_cqs_change
-        services.append(
+                LeaseService(self.state, writes, self.expiry, header, ids, self.delivery),
+            ),
             (
                 cqs_pb2.DESCRIPTOR.services_by_name["DtoChangeQueueService"],
                 CqsService(self.state, writes, self.cqs_waiters, cfg.cqs_visibility_timeout),
-            )
-        )
-        recipes = LocalClient(self.state, writes, self.watch_hub)
-        services.append(
-            (
-                v3lock_pb2.DESCRIPTOR.services_by_name["Lock"],
-                LockService(recipes, header, ids),
-            )
-        )
-        services.append(
+            ),
+            (v3lock_pb2.DESCRIPTOR.services_by_name["Lock"], LockService(recipes, header, ids)),
             (
                 v3election_pb2.DESCRIPTOR.services_by_name["Election"],
                 ElectionService(recipes, header, ids),
+            ),
+        ]
+        self.metrics.watch_state(
+            StateCollector(
+                self.state,
+                lambda: self.delivery,
+                MetricsMembership(membership.leader_id, member_id, lambda: self._leader_changes),
             )
         )
+        # Auth: every method that needs a permission is guarded by the gate's
+        # middleware (queue_server/api/auth_gate.py).
         table = MethodTable(
             m for descriptor, servicer in services for m in service_methods(descriptor, servicer)
         ).wrapped(observer.middleware, lambda method: guard(method, auth))
@@ -358,17 +361,7 @@ class Server:
         # What recovery loaded lives as long as the process: keep the collector
         # from scanning it again and again.
         gc.freeze()
-        self._start_compactor()
-        loop = asyncio.get_running_loop()
-        self._tasks.append(
-            loop.create_task(
-                run_progress_notifier(self.watch_hub, cfg.watch_progress_notify_interval)
-            )
-        )
-        self._tasks.append(loop.create_task(self.expiry.run(self._revoke_expired)))
-        self._tasks.append(loop.create_task(self._tick_dispatcher()))
-        if self.session is not None:
-            self._tasks.append(loop.create_task(self.session.run()))
+        self._tasks.append(asyncio.get_running_loop().create_task(self.timers.run()))
         self.health = HealthListener(
             HealthChecker(
                 self.state.alarms,
@@ -377,7 +370,7 @@ class Server:
                 self.metrics.render,
                 DashboardSource(
                     self.state,
-                    lambda: self.dispatcher,
+                    lambda: self.delivery,
                     member_id,
                     cfg.name,
                     membership.leader_id,
@@ -397,6 +390,39 @@ class Server:
             self.state.store.revision,
             term,
         )
+
+    def _store_of(self) -> MVCCStore:
+        """The state machine's current store (a snapshot restore replaces it)."""
+        return self.state.store
+
+    def _add_timer_policies(self) -> None:
+        """Everything the node does as time passes, on the driver's one clock."""
+        cfg = self.config
+        timers = self.timers
+        timers.add("queue-acks", AckPolicy(self.delivery, self.consumers.drop))
+        timers.add("lease-expiry", ExpiryPolicy(self.expiry, self._revoke_expired, self._spawn))
+        hub = self.watch_hub
+        timers.add(
+            "watch-progress",
+            Every(cfg.watch_progress_notify_interval, lambda now: hub.progress_tick()),
+        )
+        if self.session is not None:
+            timers.add("member-session", self.session)
+        retention = parse_retention(cfg.auto_compaction_mode, cfg.auto_compaction_retention)
+        if retention > 0:
+            planner = CompactionPlanner(cfg.auto_compaction_mode, retention)
+            planner.last_compacted = self.state.store.compact_revision
+            timers.add(
+                "auto-compaction",
+                CompactionPolicy(
+                    planner, lambda: self.state.store.revision, self._compact, self._spawn
+                ),
+            )
+
+    def _apply_failed(self, error: ApplyFailed) -> None:
+        """Fail-stop: an apply failed; stop serving, and exit with status 1."""
+        self.failed = error
+        self.fatal.set()
 
     async def _serve_clients(self, table: MethodTable) -> None:
         """Serve `table` on the client URLs, with the transport --grpc-transport names."""
@@ -478,7 +504,7 @@ class Server:
     def _restored_from_leader(self) -> None:
         """A snapshot from the leader replaced the state: rebuild what follows it."""
         self._rearm_leases()
-        self.dispatcher.rebuild()
+        self.consumers.rebuild()
         for name in list(self.state.cqs.queues):
             self.cqs_waiters.notify(name)
 
@@ -503,7 +529,7 @@ class Server:
                 peers.set_peer(ids[name], urls[0])
         cluster_log = ClusterLog(
             cfg.data_dir,
-            self.state,
+            self.applier,
             me,
             sorted(ids.values()),
             peers,
@@ -542,7 +568,7 @@ class Server:
             self._leader_changes += 1
         if leader == self.log.member_id:
             self._rearm_leases()
-            self.dispatcher.claim_registries()
+            self.consumers.claim_registries()
         if leader:
             self._spawn(self._publish_attributes())
 
@@ -622,38 +648,22 @@ class Server:
             ("grpc.so_reuseport", 0),
         ]
 
-    def _start_compactor(self) -> None:
-        cfg = self.config
-        retention = parse_retention(cfg.auto_compaction_mode, cfg.auto_compaction_retention)
-        if retention <= 0:
+    async def _compact(self, revision: int) -> None:
+        """Auto-compaction's proposal (the leader compacts for everyone)."""
+        assert self.log is not None
+        if isinstance(self.log, ClusterLog) and not self.log.is_leader:
             return
-        planner = CompactionPlanner(cfg.auto_compaction_mode, retention)
-        planner.last_compacted = self.state.store.compact_revision
-
-        async def compact(revision: int) -> None:
-            assert self.log is not None
-            if isinstance(self.log, ClusterLog) and not self.log.is_leader:
-                return  # the leader compacts for everyone
-            command = internal_pb2.Command()
-            command.compaction.revision = revision
-            result = await self.log.propose(command)
-            if isinstance(result, EtcdError):
-                raise result
-
-        self._compactor = asyncio.get_running_loop().create_task(
-            run_compactor(planner, lambda: self.state.store.revision, compact)
-        )
+        command = internal_pb2.Command()
+        command.compaction.revision = revision
+        result = await self.log.propose(command)
+        if isinstance(result, EtcdError):
+            raise result
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run a background proposal, keeping a reference until it ends."""
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    async def _tick_dispatcher(self) -> None:
-        while True:
-            await asyncio.sleep(DISPATCHER_TICK_SECONDS)
-            self.dispatcher.tick(time.monotonic())
 
     async def _revoke_expired(self, lease_id: int) -> None:
         assert self.log is not None
@@ -670,8 +680,6 @@ class Server:
         """Stop serving; in-flight calls get `grace` seconds; the log is flushed."""
         if self.health is not None:
             await self.health.stop()
-        if self._compactor is not None:
-            self._compactor.cancel()
         for task in self._tasks:
             task.cancel()
         if self.grpc_server is not None:

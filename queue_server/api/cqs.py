@@ -34,7 +34,7 @@ from queue_server.cqs.state import (
     check_split_item,
 )
 from queue_server.cqs.tree import DEFAULT_DEPTH
-from queue_server.mq import keys
+from queue_server.keyspace import grammar as keys
 from queue_server.transport.methods import Call
 from queue_server.transport.status import Status
 

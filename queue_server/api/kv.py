@@ -8,9 +8,10 @@ etcd's status, fill the header.
 from __future__ import annotations
 
 from etcdserverpb import internal_pb2, rpc_pb2, rpc_pb2_grpc
-from queue_server.api.errors import abort, propose_checked, propose_or_abort
+from queue_server.api.errors import abort, propose_or_abort
 from queue_server.api.header import HeaderFiller
 from queue_server.apply import Proposer, StateMachine
+from queue_server.cqs.commands import now_ms
 from queue_server.errors import EtcdError
 from queue_server.kv import validation
 from queue_server.kv.executor import is_read_only
@@ -59,14 +60,10 @@ class KVService(rpc_pb2_grpc.KVServicer):
             validation.check_delete(request)
         except EtcdError as e:
             await abort(context, e)
-        settle = self.state.cqs_ack_of(request)
-        if settle is not None:  # deleting a CQS delivery key acknowledges it
-            result = await propose_checked(self.log, settle, context)
-            assert isinstance(result, internal_pb2.CqsSettleResponse)
-            resp = rpc_pb2.DeleteRangeResponse(deleted=result.settled)
-            self.header.fill(resp.header)
-            return resp
-        return await self._propose(Command(delete_range=request), context)  # type: ignore[return-value]
+        # Stamped with this member's clock: a delete of a CQS delivery key
+        # acknowledges it in apply, which times the token out with it.
+        command = Command(delete_range=request, now_ms=now_ms())
+        return await self._propose(command, context)  # type: ignore[return-value]
 
     async def Txn(self, request: rpc_pb2.TxnRequest, context: Context) -> rpc_pb2.TxnResponse:
         try:
@@ -78,7 +75,8 @@ class KVService(rpc_pb2_grpc.KVServicer):
                 return resp
         except EtcdError as e:
             await abort(context, e)
-        return await self._propose(Command(txn=request), context)  # type: ignore[return-value]
+        command = Command(txn=request, now_ms=now_ms())  # its deletes may acknowledge too
+        return await self._propose(command, context)  # type: ignore[return-value]
 
     async def Compact(
         self, request: rpc_pb2.CompactionRequest, context: Context

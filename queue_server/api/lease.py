@@ -2,7 +2,7 @@
 
 Grant and Revoke change replicated state, so they go through the log. KeepAlive
 and TimeToLive touch only the node's expiry clock, as in etcd, where keepalives
-reach the leader's lessor and never the raft log. The queue dispatcher's delivery
+reach the leader's lessor and never the raft log. The queue delivery table's
 leases (the ack deadline of a delivered message) answer KeepAlive, TimeToLive and
 Revoke here too, so any etcd client can extend or give back a delivery.
 """
@@ -25,7 +25,7 @@ Context = Call
 
 
 class DeliveryLeases(Protocol):
-    """Leases that are not in the lease table: the queue dispatcher's delivery
+    """Leases that are not in the lease table: the queue delivery table's
     leases (a delivery's ack deadline, extendable like any lease)."""
 
     def keep_alive(self, lease_id: int, now: float) -> int | None: ...

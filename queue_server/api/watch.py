@@ -155,10 +155,3 @@ def _refused(request: rpc_pb2.WatchCreateRequest, revision: int) -> rpc_pb2.Watc
     )
     response.header.revision = revision
     return response
-
-
-async def run_progress_notifier(hub: WatchHub, interval: float) -> None:
-    """Tick watchers' progress notifications every `interval` seconds (cancel to stop)."""
-    while True:
-        await asyncio.sleep(interval)
-        hub.progress_tick()

@@ -16,8 +16,14 @@ read by the proposer), and so do ack-token bases, so apply stays deterministic.
   queue alone.
 - `dequeue`, `settle` and `enqueue` apply the CQS log commands.
 
-`on_change(queue)` (node-local: long-polls and the etcd watch view) is told
-whenever a queue may have gained visible notifications or lost in-flight ones.
+`take_changed()` names the queues that may have gained visible notifications
+or lost in-flight ones in the last command: one of its effects, for the node's
+long-polls and etcd watch view.
+
+`CqsState` is CQS's `QueuePlugin` of the keyspace router (keyspace/router.py):
+it claims the queues whose config has a `cqs` object and the publication
+points `dto:{type}`; a single-key delete of a delivery key `/q/{queue}/{seq}/
+{token}` acknowledges it inside apply (in a Txn too).
 """
 
 from __future__ import annotations
@@ -34,8 +40,10 @@ from google.protobuf.message import DecodeError
 from etcdserverpb import cqs_pb2, internal_pb2
 from queue_server.cqs.tree import DEFAULT_DEPTH, Record, SlaQueue
 from queue_server.errors import EtcdError
-from queue_server.mq import keys
-from queue_server.mvcc.store import Event, KeyValue
+from queue_server.keyspace import grammar as keys
+from queue_server.keyspace.config import QueueConfig, invalid
+from queue_server.keyspace.grammar import QueueKey
+from queue_server.mvcc.store import Event, KeyValue, MVCCStore
 
 DTO_QUEUE_PREFIX = b"dto:"
 """Queues named `dto:{dto_type}` are publication points, not queues."""
@@ -262,16 +270,21 @@ def notification_of(record: Record) -> cqs_pb2.DtoChangeNotification:
 class CqsState:
     """All CQS queues of the state machine."""
 
+    config_fields: frozenset[str] = frozenset({"cqs"})
     queues: dict[str, CqsQueue] = field(default_factory=dict)
-    on_change: Callable[[str], None] | None = None
     published: int = 0  # publications applied
     dropped: int = 0  # publications with no subscriber
     _subscribers: dict[str, list[tuple[CqsQueue, str]]] = field(default_factory=dict)
     _checked: dict[tuple[str | None, bytes], Published] = field(default_factory=dict)
+    _changed_names: set[str] = field(default_factory=set)
 
     def _changed(self, name: str) -> None:
-        if self.on_change is not None:
-            self.on_change(name)
+        self._changed_names.add(name)
+
+    def take_changed(self) -> set[str]:
+        """The queues the last command changed (and forget them)."""
+        out, self._changed_names = self._changed_names, set()
+        return out
 
     def get(self, name: str) -> CqsQueue:
         q = self.queues.get(name)
@@ -284,29 +297,32 @@ class CqsState:
 
     # -- configuration (follows /q/{name}/config) ---------------------------------
 
-    def follow(self, events: list[Event]) -> None:
-        """Store hook: queues in step with their config keys."""
-        for e in events:
-            key = e.kv.key
-            if not key.startswith(keys.SHORT) or not key.endswith(b"/config"):
-                continue
-            qk = keys.parse(key)
-            if qk is None or qk.kind != "config":
-                continue
-            name = qk.name.decode(errors="replace")
-            raw = None if e.is_delete else json.loads(e.kv.value or b"{}").get("cqs")
-            if raw is None:
-                if self.queues.pop(name, None) is not None:
-                    self._reindex()
-                continue
-            subs, depth, prefetch = parse_cqs_config(raw)
-            q = self.queues.get(name)
-            if q is None:
-                q = self.queues[name] = CqsQueue(name, subs, SlaQueue(depth=depth))
-            q.subscriptions = subs
-            q.prefetch = prefetch
-            self._reindex()
-            self._changed(name)
+    def check_config(self, name: bytes, config: QueueConfig) -> None:
+        if "cqs" in config:
+            try:
+                parse_cqs_config(config["cqs"])
+            except ValueError as e:
+                raise invalid(str(e)) from e
+
+    def configure(self, qk: QueueKey, config: QueueConfig | None) -> None:
+        """A config key changed: a `cqs` object makes (or keeps) the queue a CQS
+        queue; without one (or deleted) the CQS queue is gone."""
+        if qk.spelling != keys.SHORT:
+            return
+        name = qk.name.decode(errors="replace")
+        raw = None if config is None else config.get("cqs")
+        if raw is None:
+            if self.queues.pop(name, None) is not None:
+                self._reindex()
+            return
+        subs, depth, prefetch = parse_cqs_config(raw)
+        q = self.queues.get(name)
+        if q is None:
+            q = self.queues[name] = CqsQueue(name, subs, SlaQueue(depth=depth))
+        q.subscriptions = subs
+        q.prefetch = prefetch
+        self._reindex()
+        self._changed(name)
 
     def _reindex(self) -> None:
         index: dict[str, list[tuple[CqsQueue, str]]] = {}
@@ -317,28 +333,48 @@ class CqsState:
 
     # -- publishing (hooks into the put of a producer key) -------------------------
 
-    def claims(self, qk: keys.QueueKey) -> bool:
-        """Whether a produce key is a CQS publication or a direct CQS enqueue."""
+    def claims(self, qk: QueueKey) -> bool:
+        """Whether the key belongs to a CQS queue or a publication point."""
         return qk.spelling == keys.SHORT and (
             qk.name.startswith(DTO_QUEUE_PREFIX) or self.is_cqs(qk.name)
         )
 
-    def begin_checks(self) -> None:
+    def begin_request(self) -> None:
         """A new request is about to be checked: forget the last one's parses."""
         self._checked.clear()
 
-    def check_publish(self, qk: keys.QueueKey, value: bytes) -> None:
+    def check_produce(self, qk: QueueKey, value: bytes) -> None:
         """Refuse a malformed publication before anything changes; the parse is
         kept for `publish` in the same request."""
         dto_type = self._dto_type_of(qk)
         self._checked[(dto_type, value)] = parse_publication(dto_type, value)
 
-    def _dto_type_of(self, qk: keys.QueueKey) -> str | None:
+    def _dto_type_of(self, qk: QueueKey) -> str | None:
         if qk.name.startswith(DTO_QUEUE_PREFIX):
             return qk.name[len(DTO_QUEUE_PREFIX) :].decode(errors="replace")
         return None  # a direct enqueue: the value names its type
 
-    def publish(self, qk: keys.QueueKey, value: bytes) -> int:
+    def produce(self, qk: QueueKey, value: bytes) -> None:
+        """A put of a producer key publishes; nothing is written under the key."""
+        self.publish(qk, value)
+
+    def delete(self, qk: QueueKey, key: bytes, now_ms: int) -> bytes | int:
+        """A delete of a delivery key `/q/{queue}/{seq}/{token}` acknowledges the
+        token (how many it settled); any other key is itself."""
+        if qk.kind != "message" or not self.is_cqs(qk.name):
+            return key
+        settle = internal_pb2.CqsSettle(
+            queue=qk.name.decode(), tokens=[qk.key.decode(errors="replace")], now_ms=now_ms
+        )
+        return self.settle(settle).settled
+
+    def follow(self, qk: QueueKey, event: Event) -> None:
+        return None  # notifications are not keys; registry keys are the node's
+
+    def after_apply(self, store: MVCCStore) -> None:
+        return None
+
+    def publish(self, qk: QueueKey, value: bytes) -> int:
         """Fan a publication out (or enqueue it directly); returns the queues reached."""
         self.published += 1
         dto_type = self._dto_type_of(qk)

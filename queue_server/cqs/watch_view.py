@@ -28,7 +28,7 @@ from google.protobuf import json_format
 from etcdserverpb import internal_pb2, kv_pb2, rpc_pb2
 from queue_server.cqs import commands
 from queue_server.cqs.state import CqsState
-from queue_server.mq import keys
+from queue_server.keyspace import grammar as keys
 from queue_server.mvcc.store import MVCCStore
 from queue_server.watch.hub import Watcher
 

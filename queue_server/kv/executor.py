@@ -13,6 +13,7 @@ Response headers carry only `revision`; the API layer fills in the rest.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from etcdserverpb import kv_pb2, rpc_pb2
 from queue_server.errors import Compacted, FutureRevision, KeyNotFound, LeaseNotFound
@@ -58,56 +59,69 @@ def _no_leases(lease_id: int) -> bool:
     return False
 
 
-def _any_put(key: bytes, value: bytes) -> None:
-    return None
+class KeyHooks(Protocol):
+    """How the rest of the state machine takes part in KV requests without the
+    executor knowing it (the queue keyspace router implements it)."""
+
+    def begin_request(self) -> None:
+        """The writes of one request are about to be checked, so a check can
+        count across them (a Txn producing several messages near max_depth)."""
+        ...
+
+    def check_put(self, key: bytes, value: bytes) -> None:
+        """Refuse a put before anything changes (raise an EtcdError)."""
+        ...
+
+    def route_put(self, key: bytes, value: bytes) -> bytes | None:
+        """The key a put really writes (a producer key becomes a message key),
+        or None when the put is consumed and writes no key."""
+        ...
+
+    def route_delete(self, key: bytes) -> bytes | int:
+        """The key a single-key delete really removes (a delivery key stands for
+        its message), or how many deliveries it settled when it removes none."""
+        ...
+
+    def range_view(self, key: bytes, end: bytes | None, revision: int) -> list[KeyValue]:
+        """Keys that live outside the store, added to a current Range."""
+        ...
 
 
-def _same_key(key: bytes, value: bytes) -> bytes | None:
-    return key
+class PlainKeys:
+    """No hooks: every key is just a key."""
 
+    def begin_request(self) -> None:
+        return None
 
-def _same_deleted_key(key: bytes) -> bytes:
-    return key
+    def check_put(self, key: bytes, value: bytes) -> None:
+        return None
 
+    def route_put(self, key: bytes, value: bytes) -> bytes | None:
+        return key
 
-def _nothing() -> None:
-    return None
+    def route_delete(self, key: bytes) -> bytes | int:
+        return key
+
+    def range_view(self, key: bytes, end: bytes | None, revision: int) -> list[KeyValue]:
+        return []
 
 
 class KVExecutor:
     """Runs KV requests against one store.
 
-    Hooks let other parts of the state machine take part without the executor
-    knowing them: `lease_exists` answers whether a lease id may be attached to a
-    key; `check_put(key, value)` may refuse a put before anything changes, and
-    `rewrite_put(key, value)` names the key a put really writes (the queue module
-    turns a producer key into a message key this way), or None when the hook
-    consumed the put (a CQS publication writes no key); `begin_checks()` is called
-    before the puts of one request are checked, so a check can count across
-    them (a Txn producing several messages into a queue near its max_depth);
-    `rewrite_delete(key)` names the key a single-key delete really removes (a
-    queue's handed-over delivery key stands for its message key);
-    `range_view(key, end, revision)` adds keys that live outside the store to a
-    current Range (the CQS notifications).
+    `lease_exists` answers whether a lease id may be attached to a key; `hooks`
+    (a `KeyHooks`) lets the queue keyspace check, route and add keys.
     """
 
     def __init__(
         self,
         store: MVCCStore,
         lease_exists: LeaseExists = _no_leases,
-        check_put: Callable[[bytes, bytes], None] = _any_put,
-        rewrite_put: Callable[[bytes, bytes], bytes | None] = _same_key,
-        rewrite_delete: Callable[[bytes], bytes] = _same_deleted_key,
-        begin_checks: Callable[[], None] = _nothing,
-        range_view: Callable[[bytes, bytes | None, int], list[KeyValue]] | None = None,
+        hooks: KeyHooks | None = None,
     ) -> None:
         self.store = store
         self.lease_exists = lease_exists
-        self.check_put_hook = check_put
-        self.rewrite_put = rewrite_put
-        self.rewrite_delete = rewrite_delete
-        self.begin_checks = begin_checks
-        self.range_view = range_view
+        self.hooks: KeyHooks = hooks if hooks is not None else PlainKeys()
 
     # -- Range ----------------------------------------------------------------
 
@@ -126,8 +140,8 @@ class KVExecutor:
         rr = reader.range(r.key, end, r.revision, limit, r.count_only)
         kvs = rr.kvs
         count = rr.count
-        if self.range_view is not None and (not r.revision or r.revision == rr.revision):
-            shown = self.range_view(r.key, end, rr.revision)
+        if not r.revision or r.revision == rr.revision:
+            shown = self.hooks.range_view(r.key, end, rr.revision)
             if shown:  # keys that are not in the store (CQS notifications) join in
                 count += len(shown)
                 if not r.count_only:
@@ -178,11 +192,11 @@ class KVExecutor:
             raise KeyNotFound()
         if not lease_first and r.lease and not self.lease_exists(r.lease):
             raise LeaseNotFound()
-        self.check_put_hook(r.key, r.value)
+        self.hooks.check_put(r.key, r.value)
 
     def put(self, r: rpc_pb2.PutRequest, txn: WriteTxn | None = None) -> rpc_pb2.PutResponse:
         if txn is None:
-            self.begin_checks()
+            self.hooks.begin_request()
             self._check_put(r, lease_first=True)
             with self.store.write() as t:
                 return self._put(r, t)
@@ -190,7 +204,7 @@ class KVExecutor:
 
     def _put(self, r: rpc_pb2.PutRequest, txn: WriteTxn) -> rpc_pb2.PutResponse:
         value, lease = r.value, r.lease
-        key = self.rewrite_put(r.key, r.value)
+        key = self.hooks.route_put(r.key, r.value)
         if key is None:  # consumed by the hook (a CQS publication): no key written
             resp = rpc_pb2.PutResponse()
             resp.header.revision = txn.read_revision
@@ -217,6 +231,7 @@ class KVExecutor:
         self, r: rpc_pb2.DeleteRangeRequest, txn: WriteTxn | None = None
     ) -> rpc_pb2.DeleteRangeResponse:
         if txn is None:
+            self.hooks.begin_request()
             with self.store.write() as t:
                 return self._delete_range(r, t)
         return self._delete_range(r, txn)
@@ -227,7 +242,12 @@ class KVExecutor:
         if r.range_end:
             events = txn.delete_range(r.key, range_end_of(r.range_end))
         else:
-            events = txn.delete_range(self.rewrite_delete(r.key), None)
+            routed = self.hooks.route_delete(r.key)
+            if isinstance(routed, int):  # settled deliveries that are not keys (CQS)
+                resp = rpc_pb2.DeleteRangeResponse(deleted=routed)
+                resp.header.revision = txn.read_revision
+                return resp
+            events = txn.delete_range(routed, None)
         resp = rpc_pb2.DeleteRangeResponse(deleted=len(events))
         resp.header.revision = txn.read_revision
         if r.prev_kv:
@@ -245,7 +265,7 @@ class KVExecutor:
         path = self._compare_path(r)
         write = not is_read_only(r)
         if write:
-            self.begin_checks()
+            self.hooks.begin_request()
             self._check_branch(r, path, self._check_put_op)
         self._check_branch(r, path, self._check_range_op)
         with self.store.write() as t:

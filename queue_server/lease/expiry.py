@@ -1,29 +1,29 @@
 """When leases expire: the node's clock over the replicated lease table.
 
-This is the one place that reads the clock for leases. It keeps a deadline per
-lease (granted or last kept alive + TTL), sleeps until the earliest one, and
+`ExpiryClock` keeps a deadline per lease (granted or last kept alive + TTL) on
+the node's clock (injected). `ExpiryPolicy`, a timer policy of the node driver,
 proposes a revoke for each lease past its deadline; the revoke is applied through
 the log like a client's. Deadlines are not replicated: after a restart (or, in a
 cluster, on becoming leader) every lease gets a full TTL again, as etcd does.
-
-`ExpiryClock` is the policy with time injected (`now` is passed in); the small
-`run` coroutine is the only part that sleeps.
 """
 
 from __future__ import annotations
 
-import asyncio
 import heapq
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 REVOKE_RETRY_SECONDS = 1.0
 """How long an expired lease waits before its revoke is proposed again, if the
 first proposal did not remove it (e.g. the log was busy or failed)."""
+
+CHECK_SECONDS = 0.1
+"""How often deadlines are looked at (etcd's lessor checks every 500 ms)."""
 
 
 class ExpiryClock:
@@ -34,16 +34,12 @@ class ExpiryClock:
         self._deadline: dict[int, float] = {}
         self._ttl: dict[int, int] = {}
         self._heap: list[tuple[float, int]] = []
-        self._changed: asyncio.Event | None = None
         # in a cluster, a keepalive on a follower is also sent to the leader
         self.forward_keep_alive: Callable[[int], None] | None = None
 
     def _push(self, lease_id: int, deadline: float) -> None:
-        first = not self._heap or deadline < self._heap[0][0]
         self._deadline[lease_id] = deadline
         heapq.heappush(self._heap, (deadline, lease_id))
-        if first and self._changed is not None:
-            self._changed.set()
 
     def granted(self, lease_id: int, ttl: int) -> None:
         self._ttl[lease_id] = ttl
@@ -70,10 +66,10 @@ class ExpiryClock:
             return -1
         return max(0, math.floor(deadline - self.clock()))
 
-    def expired(self) -> list[int]:
-        """Leases past their deadline; each is pushed back by REVOKE_RETRY_SECONDS
-        so it is reported again only if its revoke did not happen."""
-        now = self.clock()
+    def expired(self, now: float) -> list[int]:
+        """Leases past their deadline at `now`; each is pushed back by
+        REVOKE_RETRY_SECONDS so it is reported again only if its revoke did not
+        happen."""
         out: list[int] = []
         heap = self._heap
         while heap and heap[0][0] <= now:
@@ -84,26 +80,28 @@ class ExpiryClock:
             self._push(lease_id, now + REVOKE_RETRY_SECONDS)
         return out
 
-    def next_deadline(self) -> float | None:
-        heap = self._heap
-        while heap and self._deadline.get(heap[0][1]) != heap[0][0]:
-            heapq.heappop(heap)
-        return heap[0][0] if heap else None
 
-    async def run(self, revoke: Callable[[int], Awaitable[None]]) -> None:
-        """Propose a revoke for each lease as it expires (cancel to stop)."""
-        self._changed = asyncio.Event()
-        while True:
-            deadline = self.next_deadline()
-            self._changed.clear()
-            timeout = None if deadline is None else max(0.0, deadline - self.clock())
-            try:
-                await asyncio.wait_for(self._changed.wait(), timeout)
-                continue  # an earlier deadline arrived: recompute
-            except TimeoutError:
-                pass
-            expired = self.expired()
-            results = await asyncio.gather(*(revoke(i) for i in expired), return_exceptions=True)
-            for lease_id, result in zip(expired, results, strict=True):
-                if isinstance(result, BaseException):
-                    log.warning("lease revoke failed lease=%x error=%s", lease_id, result)
+class ExpiryPolicy:
+    """Timer policy: a revoke proposed for each lease past its deadline."""
+
+    interval = CHECK_SECONDS
+
+    def __init__(
+        self,
+        clock: ExpiryClock,
+        revoke: Callable[[int], Awaitable[None]],
+        spawn: Callable[[Coroutine[Any, Any, None]], object],
+    ) -> None:
+        self.clock = clock
+        self.revoke = revoke
+        self.spawn = spawn
+
+    def due(self, now: float) -> None:
+        for lease_id in self.clock.expired(now):
+            self.spawn(self._revoke(lease_id))
+
+    async def _revoke(self, lease_id: int) -> None:
+        try:
+            await self.revoke(lease_id)
+        except Exception as e:
+            log.warning("lease revoke failed lease=%x error=%s", lease_id, e)

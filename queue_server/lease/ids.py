@@ -1,6 +1,6 @@
 """Server-chosen lease ids. The server makes one generator and hands it to
 everything that picks lease ids (the Lease service, Lock/Election for requests
-without a lease, the queue dispatcher's delivery leases), so no two ever pick
+without a lease, the queue's delivery leases), so no two ever pick
 the same id."""
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ a revoke's own deletes) keeps the table right without knowing about leases.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from queue_server.errors import LeaseExists, LeaseNotFound, LeaseTTLTooLarge
@@ -32,13 +31,22 @@ class Lease:
 
 
 class Lessor:
-    """Leases of the state machine. `on_grant(id, ttl)` and `on_revoke(id)` tell
-    the node's expiry clock what changed."""
+    """Leases of the state machine. `take_changes()` gives the grants and
+    revokes since it was last called (effects of a command, for the node's
+    expiry clock)."""
 
     def __init__(self) -> None:
         self.leases: dict[int, Lease] = {}
-        self.on_grant: Callable[[int, int], None] | None = None
-        self.on_revoke: Callable[[int], None] | None = None
+        self._granted: list[tuple[int, int]] = []
+        self._revoked: list[int] = []
+
+    def take_changes(self) -> tuple[list[tuple[int, int]], list[int]]:
+        """(lease id, TTL) granted and lease ids revoked, since the last call."""
+        if not self._granted and not self._revoked:
+            return [], []
+        out = self._granted, self._revoked
+        self._granted, self._revoked = [], []
+        return out
 
     def exists(self, lease_id: int) -> bool:
         return lease_id in self.leases
@@ -50,8 +58,7 @@ class Lessor:
             raise LeaseTTLTooLarge()
         lease = Lease(lease_id, max(ttl, MIN_LEASE_TTL))
         self.leases[lease_id] = lease
-        if self.on_grant is not None:
-            self.on_grant(lease_id, lease.ttl)
+        self._granted.append((lease_id, lease.ttl))
         return lease
 
     def revoke(self, lease_id: int, store: MVCCStore) -> int:
@@ -64,8 +71,7 @@ class Lessor:
             for key in sorted(lease.keys):
                 txn.delete_range(key, None)
         del self.leases[lease_id]
-        if self.on_revoke is not None:
-            self.on_revoke(lease_id)
+        self._revoked.append(lease_id)
         return store.revision
 
     def follow(self, revision: int, events: list[Event]) -> None:

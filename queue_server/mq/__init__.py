@@ -1,8 +1,10 @@
 """The etcd-key queue (seed 004): produce by put, consume by watch, ack by delete.
 
-- keys.py        the key grammar of /q/ and /queue/ (pure parsing)
-- state.py       the replicated part: index counters, delivery attempts, settings,
-                 depth; turns a producer put into a message key inside apply
-- dispatcher.py  the node-local part: pending order, consumers, prefetch windows,
-                 round-robin delivery over watch streams, redelivery
+- state.py       the replicated part, the keyspace router's plugin: index counters,
+                 delivery attempts, settings, consumers and who holds what; turns a
+                 producer put into a message key and assigns messages, inside apply
+- delivery.py    the node-local part: consumer watches here, assignments into
+                 WatchResponses, hand-over keys, delivery leases, requeues
+- ack_policy.py  the timer policy: ack deadlines and stuck consumers
+- session.py     a cluster member's session lease, which its consumers' registry keys use
 """

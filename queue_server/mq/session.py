@@ -58,9 +58,12 @@ class NodeSession:
             self.lease_id = lease_id
             return lease_id
 
-    async def run(self) -> None:
+    @property
+    def interval(self) -> float:
+        """A timer policy of the node driver: keepalives four times per TTL."""
+        return self.ttl / 4
+
+    def due(self, now: float) -> None:
         """Keep the lease alive (on a follower the keepalive reaches the leader)."""
-        while True:
-            await asyncio.sleep(self.ttl / 4)
-            if self.lease_id in self._lessor.leases:
-                self._expiry.keep_alive(self.lease_id)
+        if self.lease_id in self._lessor.leases:
+            self._expiry.keep_alive(self.lease_id)

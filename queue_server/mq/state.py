@@ -22,22 +22,22 @@ this module adds lives in the state machine, so it is deterministic:
   revision of its own at the end of the command.
 
 How deliveries reach a watch stream, ack deadlines and stuck streams are the
-node's (`dispatcher.py`).
+node's (`delivery.py`, `ack_policy.py`, `node/consumers.py`).
 """
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from sortedcontainers import SortedDict
 
-from queue_server.cqs.state import CqsState, parse_cqs_config
 from queue_server.errors import EtcdError
-from queue_server.mq import keys
+from queue_server.keyspace import grammar as keys
+from queue_server.keyspace.config import QueueConfig, invalid, parse_config
+from queue_server.keyspace.grammar import QueueKey
 from queue_server.mvcc.store import Event, MVCCStore
 
 DEFAULT_PREFETCH = 64
@@ -47,11 +47,6 @@ DEFAULT_PREFETCH = 64
 class QueueFull(EtcdError):
     code = "RESOURCE_EXHAUSTED"
     message = "etcdserver: queue is full"
-
-
-class InvalidQueueConfig(EtcdError):
-    code = "INVALID_ARGUMENT"
-    message = "etcdserver: invalid queue config"
 
 
 MAX_ACK_DEADLINE = 9_000_000_000
@@ -68,48 +63,47 @@ class QueueSettings:
     prefetch: int = DEFAULT_PREFETCH  # unacknowledged messages per consumer
     max_depth: int = 0  # pending + in-flight messages; 0: unlimited
 
+    FIELDS = frozenset({"ack_deadline", "max_deliveries", "dead_letter", "prefetch", "max_depth"})
+
     @classmethod
     def parse(cls, value: bytes) -> QueueSettings:
-        try:
-            raw = json.loads(value or b"{}")
-        except ValueError as e:
-            raise InvalidQueueConfig(f"etcdserver: invalid queue config: {e}") from e
-        if not isinstance(raw, dict):
-            raise InvalidQueueConfig("etcdserver: invalid queue config: expected a JSON object")
+        """The settings of a config value alone (its other fields ignored)."""
+        return cls.of(parse_config(value))
+
+    @classmethod
+    def of(cls, raw: Mapping[str, object]) -> QueueSettings:
+        """The etcd-key queue's fields of a parsed config."""
         s = cls()
-        known = {"ack_deadline", "max_deliveries", "dead_letter", "prefetch", "max_depth", "cqs"}
-        unknown = set(raw) - known
-        if unknown:
-            raise InvalidQueueConfig(
-                f"etcdserver: invalid queue config: unknown setting {sorted(unknown)[0]!r}"
-            )
         try:
-            s.ack_deadline = float(raw.get("ack_deadline", 0))
-            s.max_deliveries = int(raw.get("max_deliveries", 0))
+            s.ack_deadline = float(raw.get("ack_deadline", 0))  # type: ignore[arg-type]
+            s.max_deliveries = int(raw.get("max_deliveries", 0))  # type: ignore[call-overload]
             s.dead_letter = str(raw.get("dead_letter", "")).encode()
-            s.prefetch = int(raw.get("prefetch", DEFAULT_PREFETCH))
-            s.max_depth = int(raw.get("max_depth", 0))
+            s.prefetch = int(raw.get("prefetch", DEFAULT_PREFETCH))  # type: ignore[call-overload]
+            s.max_depth = int(raw.get("max_depth", 0))  # type: ignore[call-overload]
         except (TypeError, ValueError, OverflowError) as e:
             # OverflowError: JSON's Infinity (Python's json reads it) as an int.
             # Uncaught, it escaped apply, and replaying the entry stopped restarts.
-            raise InvalidQueueConfig(f"etcdserver: invalid queue config: {e}") from e
+            raise invalid(str(e)) from e
         if not (math.isfinite(s.ack_deadline) and s.ack_deadline <= MAX_ACK_DEADLINE):
             # A delivery's ack deadline is a lease TTL to clients (LeaseKeepAlive
             # answers it), so it has a lease's bounds.
-            raise InvalidQueueConfig(
-                "etcdserver: invalid queue config: ack_deadline is not a number of seconds "
-                f"up to {MAX_ACK_DEADLINE}"
-            )
+            raise invalid(f"ack_deadline is not a number of seconds up to {MAX_ACK_DEADLINE}")
         if s.ack_deadline < 0 or s.max_deliveries < 0 or s.prefetch < 1 or s.max_depth < 0:
-            raise InvalidQueueConfig("etcdserver: invalid queue config: negative or zero limit")
+            raise invalid("negative or zero limit")
         if b"/" in s.dead_letter:
-            raise InvalidQueueConfig("etcdserver: invalid queue config: dead_letter is one segment")
-        if "cqs" in raw:
-            try:
-                parse_cqs_config(raw["cqs"])
-            except ValueError as e:
-                raise InvalidQueueConfig(f"etcdserver: invalid queue config: {e}") from e
+            raise invalid("dead_letter is one segment")
         return s
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """Messages the state machine handed to one consumer in one command: the
+    node hosting the consumer's watch delivers them."""
+
+    queue: bytes
+    consumer: bytes
+    node: bytes
+    items: list[tuple[int, bytes]]  # (idx, message key), oldest first
 
 
 @dataclass(eq=False, slots=True)
@@ -150,127 +144,109 @@ class QueueInfo:
         return self.settings.dead_letter or self.name + b".dead"
 
 
-Deliver = Callable[[QueueInfo, ConsumerSlot, list[tuple[int, bytes]]], None]
-
-
 class QueueState:
-    """All queues of the state machine, and the assignment of their messages.
+    """All etcd-key queues of the state machine, and the assignment of their
+    messages: the etcd-key queue's `QueuePlugin` (keyspace/router.py).
 
     Assignment is part of apply: after a command, every queue whose messages,
     consumers or settings changed hands its pending messages out (oldest first,
     round-robin over consumers in join order, at most `prefetch` held each), and
-    `on_deliver(queue, consumer, [(idx, key)])` tells the node. Every replica
-    computes the same assignment; the node hosting the consumer's watch delivers.
+    each hand-out is an `Assignment` in `take_assignments()`, one of the
+    command's effects. Every replica computes the same assignment; the node
+    hosting the consumer's watch delivers. Only apply creates queues; node-local
+    code reads `queues` and never changes it.
     """
 
-    def __init__(self, cqs: CqsState | None = None) -> None:
+    config_fields = QueueSettings.FIELDS
+
+    def __init__(self) -> None:
         self.queues: dict[bytes, QueueInfo] = {}
-        self.cqs = cqs if cqs is not None else CqsState()
-        self.on_deliver: Deliver | None = None
         # produces already checked in the request being checked, per queue
         self._checked_produces: dict[bytes, int] = {}
         # queues to hand out after this command; messages to dead-letter first
         self._dirty: set[QueueInfo] = set()
         self._to_dead: list[tuple[QueueInfo, int]] = []
+        self._assigned: list[Assignment] = []
 
-    def begin_checks(self) -> None:
-        """A new request's puts are about to be checked."""
-        self._checked_produces.clear()
-        self.cqs.begin_checks()
-
-    def queue(self, name: bytes, spelling: bytes) -> QueueInfo:
+    def _queue(self, name: bytes, spelling: bytes) -> QueueInfo:
         """The queue, created on first use with the spelling it was first used with."""
         q = self.queues.get(name)
         if q is None:
             q = self.queues[name] = QueueInfo(name, spelling)
         return q
 
-    # -- hooks into KV apply ----------------------------------------------------
+    def take_assignments(self) -> list[Assignment]:
+        """What the last command handed out (and forget it)."""
+        out, self._assigned = self._assigned, []
+        return out
 
-    def check_put(self, key: bytes, value: bytes) -> None:
-        """Refuse, before anything changes, a produce over max_depth or a bad config."""
-        if not key.startswith((keys.SHORT, keys.LONG)):
-            return
-        qk = keys.parse(key)
-        if qk is None:
-            return
-        if qk.kind == "produce":
-            if self.cqs.claims(qk):
-                self.cqs.check_publish(qk, value)
-                return
-            q = self.queues.get(qk.name)
-            earlier = self._checked_produces.get(qk.name, 0)
-            if q is not None and q.settings.max_depth and q.depth + earlier >= q.settings.max_depth:
-                raise QueueFull(
-                    f"etcdserver: queue {qk.name.decode(errors='replace')} is full "
-                    f"(max_depth {q.settings.max_depth})"
-                )
-            self._checked_produces[qk.name] = earlier + 1
-        elif qk.kind == "config":
-            QueueSettings.parse(value)
+    # -- the plugin hooks (inside KV apply) ---------------------------------------
 
-    def rewrite_put(self, key: bytes, value: bytes) -> bytes | None:
-        """The key a put really writes: a producer key becomes the queue's next
-        message key; a CQS publication is fanned out and writes nothing (None);
-        any other key is itself."""
-        if not key.startswith((keys.SHORT, keys.LONG)):
-            return key
-        qk = keys.parse(key)
-        if qk is None or qk.kind != "produce":
-            return key
-        if self.cqs.claims(qk):
-            self.cqs.publish(qk, value)
-            return None
-        q = self.queue(qk.name, qk.spelling)
+    def claims(self, qk: QueueKey) -> bool:
+        return True  # whatever no other product claims
+
+    def begin_request(self) -> None:
+        self._checked_produces.clear()
+
+    def check_produce(self, qk: QueueKey, value: bytes) -> None:
+        """Refuse, before anything changes, a produce over max_depth."""
+        q = self.queues.get(qk.name)
+        earlier = self._checked_produces.get(qk.name, 0)
+        if q is not None and q.settings.max_depth and q.depth + earlier >= q.settings.max_depth:
+            raise QueueFull(
+                f"etcdserver: queue {qk.name.decode(errors='replace')} is full "
+                f"(max_depth {q.settings.max_depth})"
+            )
+        self._checked_produces[qk.name] = earlier + 1
+
+    def produce(self, qk: QueueKey, value: bytes) -> bytes:
+        """A producer key becomes the queue's next message key."""
+        q = self._queue(qk.name, qk.spelling)
         idx = q.next_idx
         q.next_idx += 1
         return keys.message_key(q.spelling, q.name, idx, qk.key)
 
-    def rewrite_delete(self, key: bytes) -> bytes:
-        """The key a single-key delete really removes: a handed-over delivery key
-        `/q/{name}/c/{uuid}/{idx}/{key}` acknowledges its message key."""
-        if not key.startswith((keys.SHORT, keys.LONG)):
-            return key
-        qk = keys.parse(key)
-        if qk is None or qk.kind != "delivery":
+    def check_config(self, name: bytes, config: QueueConfig) -> None:
+        QueueSettings.of(config)
+
+    def configure(self, qk: QueueKey, config: QueueConfig | None) -> None:
+        q = self._queue(qk.name, qk.spelling)
+        q.settings = QueueSettings() if config is None else QueueSettings.of(config)
+        self._dirty.add(q)
+
+    def delete(self, qk: QueueKey, key: bytes, now_ms: int) -> bytes:
+        """A handed-over delivery key `/q/{name}/c/{uuid}/{idx}/{key}` stands for
+        its message key; a message key is itself."""
+        if qk.kind != "delivery":
             return key
         q = self.queues.get(qk.name)
         spelling = q.spelling if q is not None else qk.spelling
         return keys.message_key(spelling, qk.name, qk.idx, qk.key)
 
-    def follow(self, revision: int, events: list[Event]) -> None:
-        """Store hook: settings, consumers and pending messages in step
-        with committed changes."""
-        for e in events:
-            key = e.kv.key
-            if not key.startswith((keys.SHORT, keys.LONG)):
-                continue
-            qk = keys.parse(key)
-            if qk is None:
-                continue
-            if qk.kind == "message":
-                q = self.queue(qk.name, qk.spelling)
-                if e.is_delete:
-                    q.attempts.pop(qk.idx, None)
-                    if q.pending.pop(qk.idx, None) is None:
-                        slot = q.holder.pop(qk.idx, None)
-                        if slot is not None:
-                            q.acked += 1
-                            slot.held.pop(qk.idx, None)
-                            self._dirty.add(q)  # room in its prefetch window
-                elif e.prev_kv is None:
-                    q.next_idx = max(q.next_idx, qk.idx + 1)
-                    q.pending[qk.idx] = key
-                    self._dirty.add(q)
-            elif qk.kind == "consume":
-                if not self.cqs.is_cqs(qk.name):
-                    self._follow_consumer(self.queue(qk.name, qk.spelling), qk.consumer, e)
-            elif qk.kind == "config":
-                q = self.queue(qk.name, qk.spelling)
-                q.settings = QueueSettings() if e.is_delete else QueueSettings.parse(e.kv.value)
+    def view_range(self, key: bytes, end: bytes | None, revision: int) -> list[Any]:
+        return []  # every message is a key of the store
+
+    def follow(self, qk: QueueKey, e: Event) -> None:
+        """Consumers and pending messages in step with committed changes."""
+        kind = qk.kind
+        if kind == "message":
+            q = self._queue(qk.name, qk.spelling)
+            if e.is_delete:
+                q.attempts.pop(qk.idx, None)
+                if q.pending.pop(qk.idx, None) is None:
+                    slot = q.holder.pop(qk.idx, None)
+                    if slot is not None:
+                        q.acked += 1
+                        slot.held.pop(qk.idx, None)
+                        self._dirty.add(q)  # room in its prefetch window
+            elif e.prev_kv is None:
+                q.next_idx = max(q.next_idx, qk.idx + 1)
+                q.pending[qk.idx] = e.kv.key
                 self._dirty.add(q)
-            elif qk.kind == "registry" and not e.is_delete:
-                self.queue(qk.name, qk.spelling)
+        elif kind == "consume":
+            self._follow_consumer(self._queue(qk.name, qk.spelling), qk.consumer, e)
+        elif kind == "registry" and not e.is_delete:
+            self._queue(qk.name, qk.spelling)
 
     def _follow_consumer(self, q: QueueInfo, consumer_id: bytes, e: Event) -> None:
         """A consumer registry key changed: the consumer joins, moves to another
@@ -350,7 +326,7 @@ class QueueState:
                 kv = store.get(key)
                 if kv is None:  # pragma: no cover - pending keys exist
                     continue
-                dead = self.queue(q.dead_letter_name(), q.spelling)
+                dead = self._queue(q.dead_letter_name(), q.spelling)
                 q.dead_lettered += 1
                 txn.delete_range(key, None)
                 new_idx = dead.next_idx
@@ -383,10 +359,8 @@ class QueueState:
             q.holder[idx] = slot
             q.delivered += 1
             batches.setdefault(slot, []).append((idx, key))
-        deliver = self.on_deliver
-        if deliver is not None:
-            for slot, items in batches.items():
-                deliver(q, slot, items)
+        for slot, items in batches.items():
+            self._assigned.append(Assignment(q.name, slot.consumer_id, slot.node, items))
 
     # -- snapshots --------------------------------------------------------------
 
@@ -426,9 +400,9 @@ class QueueState:
                 if qk is None:
                     continue
                 if qk.kind == "message":
-                    self.queue(qk.name, qk.spelling).pending[qk.idx] = kv.key
+                    self._queue(qk.name, qk.spelling).pending[qk.idx] = kv.key
                 elif qk.kind == "config":
-                    self.queue(qk.name, qk.spelling).settings = QueueSettings.parse(kv.value)
+                    self._queue(qk.name, qk.spelling).settings = QueueSettings.parse(kv.value)
         for name, consumers in held.items():
             q = self.queues[name]
             for consumer_id, node, idxs in consumers:

@@ -283,6 +283,24 @@ class MVCCStore:
             events.append(Event(True, KeyValue(k, 0, revision, 0, b"", 0), prev))
         return events
 
+    def _undo(self, events: list[Event]) -> None:
+        """Take back the history entries `events` appended (an aborted write)."""
+        for e in reversed(events):
+            key = e.kv.key
+            history = self._index[key]
+            history.positions.pop()
+            change = history.changes.pop()
+            self.size_bytes -= RECORD_OVERHEAD_BYTES
+            if change is not None:
+                self.size_bytes -= len(change.value)
+                if e.prev_kv is None:
+                    self._key_count -= 1
+            else:
+                self._key_count += 1
+            if not history.changes:
+                del self._index[key]
+                self.size_bytes -= len(key)
+
     # -- compaction -----------------------------------------------------------
 
     def compact(self, revision: int) -> None:
@@ -368,7 +386,9 @@ class WriteTxn:
     """Changes made at one revision. Reads through it see its own changes.
 
     Use as a context manager, or call `end()`: the store's revision moves to this
-    transaction's revision only if it changed something.
+    transaction's revision only if it changed something. A context that ends
+    with an exception rolls the changes back (`abort()`) instead: readers never
+    saw them, since they read at the store's revision.
     """
 
     __slots__ = ("events", "revision", "store")
@@ -422,8 +442,16 @@ class WriteTxn:
                 store.on_commit(self.revision, self.events)
         return store.revision
 
+    def abort(self) -> None:
+        """Undo every change of this transaction (newest first)."""
+        self.store._undo(self.events)
+        self.events = []
+
     def __enter__(self) -> WriteTxn:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is not None:
+            self.abort()
+            return
         self.end()

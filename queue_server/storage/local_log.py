@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from etcdserverpb import internal_pb2
-from queue_server.apply import ApplyResult, StateMachine
-from queue_server.errors import NoSpace, RequestTooLarge, ServerStopped
+from queue_server.apply import Applier, ApplyFailed, ApplyResult
+from queue_server.errors import NoSpace, RequestTooLarge, ServerStopped, TooManyRequests
 from queue_server.storage.snapshot import CorruptSnapshotError, SnapshotStore
 from queue_server.storage.wal import WALFullError, WALGapError, WriteAheadLog
 
@@ -69,6 +69,11 @@ has nothing else waiting, and two thread hand-offs cost more than the fsync
 MAX_BATCH = 4096
 """Most records per group commit: bounds the latency one batch adds to the next."""
 
+MAX_UNAPPLIED = 5000
+"""Proposals appended but not yet applied beyond which a new one is refused with
+etcd's `too many requests` (etcd's maxGapBetweenApplyAndCommitIndex): bounds the
+memory a flood of writers can pin, and they retry once the log catches up."""
+
 
 @dataclass(slots=True)
 class _Proposal:
@@ -84,13 +89,14 @@ class LocalLog:
     def __init__(
         self,
         data_dir: str,
-        state_machine: StateMachine,
+        applier: Applier,
         *,
         fsync: bool = True,
         snapshot_count: int = DEFAULT_SNAPSHOT_COUNT,
         max_request_bytes: int = 1_572_864,
     ) -> None:
-        self.state_machine = state_machine
+        self.applier = applier
+        self.state_machine = applier.state
         self.max_request_bytes = max_request_bytes
         self.snapshot_count = snapshot_count
         self.wal = WriteAheadLog(os.path.join(data_dir, "wal"), fsync=fsync)
@@ -121,7 +127,7 @@ class LocalLog:
             self._snapshot_index, state = loaded
             self.state_machine.restore_state(state)
         replayed = 0
-        apply = self.state_machine.apply
+        apply = self.applier.apply
         parse = internal_pb2.Command.FromString
         try:
             for index, payload in self.wal.replay(self._snapshot_index):
@@ -163,10 +169,13 @@ class LocalLog:
     async def propose(self, command: internal_pb2.Command) -> ApplyResult:
         """Append `command`; returns its result once durable and applied.
 
-        Raises `RequestTooLarge` (etcd's check on the encoded log entry) and
-        `ServerStopped` without appending anything."""
+        Raises `RequestTooLarge` (etcd's check on the encoded log entry),
+        `TooManyRequests` (MAX_UNAPPLIED) and `ServerStopped` without appending
+        anything."""
         if self._failed is not None or self._closed:
             raise ServerStopped()
+        if self._next_index - self.state_machine.applied_index >= MAX_UNAPPLIED:
+            raise TooManyRequests()
         payload = command.SerializeToString()
         if len(payload) + ENTRY_HEADER_BYTES > self.max_request_bytes:
             raise RequestTooLarge()
@@ -204,7 +213,7 @@ class LocalLog:
         """Group commit, pipelined: as soon as one batch is durable the next
         one's write starts, and the durable batch is applied meanwhile, so the
         fsync of batch N+1 overlaps the apply (and the answers) of batch N."""
-        apply = self.state_machine.apply
+        apply = self.applier.apply
         inflight: tuple[list[_Proposal], asyncio.Future[None]] | None = None
         try:
             while inflight is not None or self._pending:
@@ -228,14 +237,13 @@ class LocalLog:
                 if self._pending and not snapshot_due:
                     following = self._take_batch()
                     inflight = (following, self._start_write(following))
-                for p in batch:
+                for i, p in enumerate(batch):
                     try:
                         result = apply(p.index, p.command)
-                    except Exception as e:  # a bug: report it, keep the loop alive
-                        log.exception("apply failed index=%d", p.index)
-                        if not p.future.done():
-                            p.future.set_exception(e)
-                        continue
+                    except ApplyFailed as e:  # fail-stop: nothing more is applied
+                        following = inflight[0] if inflight is not None else []
+                        self._fail(e, [*batch[i:], *following])
+                        return
                     if not p.future.done():
                         p.future.set_result(result)
                 if self.state_machine.applied_index >= self._next_snapshot_at:
@@ -252,8 +260,9 @@ class LocalLog:
                     await inflight[1]
 
     def _fail(self, error: BaseException, batch: list[_Proposal]) -> None:
-        """The disk refused a write: nothing more can be made durable."""
-        log.error("wal write failed, refusing further writes error=%r", error)
+        """The disk refused a write, or an apply failed: nothing more is taken."""
+        if not isinstance(error, ApplyFailed):  # the applier reported that one
+            log.error("wal write failed, refusing further writes error=%r", error)
         self._failed = error
         for p in (*batch, *self._pending):
             if not p.future.done():

@@ -37,11 +37,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from etcdserverpb import kv_pb2, rpc_pb2
-from queue_server.mq.keys import LONG, SHORT, QueueKey
-from queue_server.mq.keys import parse as parse_queue_key
 from queue_server.mvcc.store import ALL_KEYS_END, Event, KeyValue, MVCCStore
-
-QUEUE_PREFIXES = (SHORT, LONG)
 
 OUTBOX_MAX_EVENTS = 8192
 OUTBOX_MAX_BYTES = 4 * 1024 * 1024
@@ -165,19 +161,25 @@ def _fill_kv(dst: kv_pb2.KeyValue, kv: KeyValue) -> None:
         dst.lease = kv.lease
 
 
-class QueueConsumers(Protocol):
-    """Where watches on queue consumer keys go (the queue dispatcher)."""
+class ConsumerWatches(Protocol):
+    """Who decides which watches are consumers rather than plain watches (the
+    node's queue consumer directory)."""
 
-    def register(self, watcher: Watcher, qk: QueueKey) -> None: ...
+    def take(self, watcher: Watcher) -> bool:
+        """A new watch on one exact key: True if it is a consumer, which then
+        gets what `take`'s owner pushes to its stream instead of key events."""
+        ...
 
-    def unregister(self, watcher: Watcher) -> None: ...
+    def release(self, watcher: Watcher) -> None:
+        """A consumer watch ended (cancelled, or its stream closed)."""
+        ...
 
 
 class WatchHub:
     """All watchers of one node, fed by the store's committed transactions.
 
-    A watch on the exact key `/q/{name}/c/{uuid}` is a queue consumer: it is
-    handed to `queue_consumers` and receives deliveries instead of key events.
+    An exact-key watch is offered to `consumers` first (`ConsumerWatches`): a
+    queue consumer key's watch receives deliveries instead of key events.
     """
 
     def __init__(
@@ -185,6 +187,7 @@ class WatchHub:
         store_of: Callable[[], MVCCStore],
         max_response_bytes: int,
         max_watchers_per_stream: int = DEFAULT_MAX_WATCHERS_PER_STREAM,
+        consumers: ConsumerWatches | None = None,
     ) -> None:
         self.max_watchers_per_stream = max_watchers_per_stream
         self._store_of = store_of
@@ -192,7 +195,7 @@ class WatchHub:
         self._by_key: dict[bytes, set[Watcher]] = {}
         self._ranges: set[Watcher] = set()
         self.streams: set[WatchStream] = set()
-        self.queue_consumers: QueueConsumers | None = None
+        self.consumers = consumers
 
     @property
     def store(self) -> MVCCStore:
@@ -210,8 +213,8 @@ class WatchHub:
     def close_stream(self, stream: WatchStream) -> None:
         for watcher in list(stream.watchers.values()):
             self._remove(watcher)
-            if watcher.consumer and self.queue_consumers is not None:
-                self.queue_consumers.unregister(watcher)
+            if watcher.consumer and self.consumers is not None:
+                self.consumers.release(watcher)
         stream.watchers.clear()
         stream.clear()
         self.streams.discard(stream)
@@ -273,12 +276,9 @@ class WatchHub:
         stream.watchers[watch_id] = watcher
         response.watch_id = watch_id
         stream.push(response)
-        if end is None and self.queue_consumers is not None and key.startswith(QUEUE_PREFIXES):
-            qk = parse_queue_key(key)
-            if qk is not None and qk.kind == "consume":
-                watcher.consumer = True
-                self.queue_consumers.register(watcher, qk)
-                return
+        if end is None and self.consumers is not None and self.consumers.take(watcher):
+            watcher.consumer = True
+            return
         if watcher.next_revision > current:
             self._sync(watcher)
         # else: unsynced; the stream's sender calls catch_up when it has room
@@ -288,8 +288,8 @@ class WatchHub:
         if watcher is None:
             return  # etcd answers nothing for an unknown id
         self._remove(watcher)
-        if watcher.consumer and self.queue_consumers is not None:
-            self.queue_consumers.unregister(watcher)
+        if watcher.consumer and self.consumers is not None:
+            self.consumers.release(watcher)
         response = rpc_pb2.WatchResponse(watch_id=watch_id, canceled=True)
         self._header(response, self.store.revision)
         stream.push(response)

@@ -200,6 +200,29 @@ def test_watch_consumer_gets_notifications_in_sla_order_and_del_acknowledges(
     assert not {n.ack_token for n in got} & set(tokens)  # fresh tokens
 
 
+def test_deletes_inside_a_txn_acknowledge_too(
+    ctl: Ctl, cqs: cqs_pb2_grpc.DtoChangeQueueServiceStub, watches: list[Watch]
+) -> None:
+    """Acknowledging is part of apply, so a Txn's deletes acknowledge as a plain
+    delete does (each counts one deleted), together with its other writes."""
+    name = fresh("txn-ack")
+    create(cqs, name)
+    for i in range(3):
+        publish(ctl, f"k{i}", f"{STORE}/{i}", i + 1)
+    w = watch(ctl, watches, f"/q/{name}/c/{uuid.uuid4()}")
+    keys = [key for _, key, _ in w.events(3)]
+    marker = f"/txn-ack/{name}"
+    txn = f"\ndel {keys[0]}\ndel {keys[1]}\nput {marker} done\n\n\n"
+    assert ctl.ok("txn", stdin=txn) == "SUCCESS\n\n1\n\n1\n\nOK\n"
+    assert ctl.ok("get", marker, "--print-value-only") == "done\n"
+    # the two are gone from the view; the third is still in flight
+    listed = [k for k, _ in pairs(ctl.ok("get", "--prefix", f"/q/{name}/0"))]
+    assert listed == [keys[2]]
+    w.kill()
+    got, _ = dequeue(cqs, name, wait_ms=RELEASE_WAIT_MS)
+    assert [n.dto_id for n in got] == [f"{STORE}/2"]  # only the unacknowledged one comes back
+
+
 def test_a_consumer_that_disconnects_gives_its_deliveries_back_at_once(
     ctl: Ctl, cqs: cqs_pb2_grpc.DtoChangeQueueServiceStub, watches: list[Watch]
 ) -> None:

@@ -31,8 +31,9 @@ class Machine:
     def auth(self, **request: object) -> object:
         self.index += 1
         return self.sm.apply(
-            self.index, internal_pb2.Command(auth=internal_pb2.AuthCommand(**request))
-        )  # type: ignore[arg-type]
+            self.index,
+            internal_pb2.Command(auth=internal_pb2.AuthCommand(**request)),  # type: ignore[arg-type]
+        )[0]
 
     def ok(self, **request: object) -> None:
         result = self.auth(**request)

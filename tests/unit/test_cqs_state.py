@@ -146,7 +146,7 @@ class Machine:
 
     def apply(self, command: internal_pb2.Command) -> ApplyResult:
         self.index += 1
-        return self.sm.apply(self.index, command)
+        return self.sm.apply(self.index, command)[0]
 
     def ok(self, command: internal_pb2.Command, kind: type[M]) -> M:
         result = self.apply(command)

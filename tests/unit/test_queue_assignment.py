@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 from etcdserverpb import internal_pb2, rpc_pb2
 from queue_server.apply import StateMachine
-from queue_server.mq.state import ConsumerSlot, QueueInfo
 
 pytestmark = pytest.mark.unit
 
@@ -29,14 +28,13 @@ class Replica:
         self.sm = StateMachine()
         self.index = 0
         self.assigned: list[tuple[bytes, list[int]]] = []
-        self.sm.queues.on_deliver = self._delivered
-
-    def _delivered(self, q: QueueInfo, slot: ConsumerSlot, items: list[tuple[int, bytes]]) -> None:
-        self.assigned.append((slot.consumer_id, [idx for idx, _key in items]))
 
     def apply(self, command: internal_pb2.Command) -> Any:
         self.index += 1
-        return self.sm.apply(self.index, command)
+        result, effects = self.sm.apply(self.index, command)
+        for a in effects.assignments:
+            self.assigned.append((a.consumer, [idx for idx, _key in a.items]))
+        return result
 
     def put(self, key: bytes, value: bytes = b"v") -> Any:
         return self.apply(internal_pb2.Command(put=rpc_pb2.PutRequest(key=key, value=value)))
@@ -139,7 +137,6 @@ def test_replicas_and_snapshots_agree_on_every_assignment(ops: list[tuple[Any, .
         if op[0] == "snapshot":
             second.sm = StateMachine()
             second.sm.restore_state(first.sm.export_state())
-            second.sm.queues.on_deliver = second._delivered
             continue
         for r in (first, second):
             if op[0] == "produce":

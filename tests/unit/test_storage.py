@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from etcdserverpb import internal_pb2, rpc_pb2
-from queue_server.apply import StateMachine
+from queue_server.apply import Applier, StateMachine
 from queue_server.errors import LeaseNotFound, NoSpace, RequestTooLarge
 from queue_server.mvcc.store import ALL_KEYS_END
 from queue_server.storage.local_log import LocalLog
@@ -107,7 +107,7 @@ async def _fill(log: LocalLog, n: int) -> list[object]:
 def test_local_log_group_commit_recovery_and_snapshots(tmp_path: Path) -> None:
     async def first_life() -> None:
         sm = StateMachine()
-        log = LocalLog(str(tmp_path), sm, snapshot_count=50)
+        log = LocalLog(str(tmp_path), Applier(sm), snapshot_count=50)
         log.recover()
         results = await _fill(log, 120)
         assert all(isinstance(r, rpc_pb2.PutResponse) for r in results)
@@ -126,7 +126,7 @@ def test_local_log_group_commit_recovery_and_snapshots(tmp_path: Path) -> None:
     assert len(list((tmp_path / "wal").glob("*.log"))) <= 2
 
     sm = StateMachine()
-    log = LocalLog(str(tmp_path), sm)
+    log = LocalLog(str(tmp_path), Applier(sm))
     log.recover()
     assert sm.store.revision == 121
     assert sm.applied_index == 121  # 120 puts + the failed put (a log entry too)
@@ -205,7 +205,7 @@ def _snapshotted_log(directory: Path, trim: bool) -> None:
     segments after the newest snapshot, as a long-running server would."""
 
     async def life() -> None:
-        log = LocalLog(str(directory), StateMachine(), snapshot_count=50)
+        log = LocalLog(str(directory), Applier(StateMachine()), snapshot_count=50)
         log.recover()
         if not trim:  # as if each trim were cut short by a crash
             log.wal.remove_covered = lambda snapshot_index: 0  # type: ignore[method-assign]
@@ -232,7 +232,7 @@ def test_corrupt_newest_snapshot_falls_back_only_when_the_log_reaches_back(
     newest.write_bytes(data[:40] + bytes([data[40] ^ 1]) + data[41:])
     # the log starts at 101, the older snapshot is at 50: refused, never served
     with pytest.raises(CorruptSnapshotError, match=r"checksum.*refusing to start"):
-        LocalLog(str(tmp_path), StateMachine()).recover()
+        LocalLog(str(tmp_path), Applier(StateMachine())).recover()
     assert newest.exists()
 
     # with the segments since the older snapshot still there (a crash before
@@ -242,7 +242,7 @@ def test_corrupt_newest_snapshot_falls_back_only_when_the_log_reaches_back(
     newest = other / "snap" / f"{100:020d}.snap"
     newest.write_bytes(data[:40] + bytes([data[40] ^ 1]) + data[41:])
     sm = StateMachine()
-    LocalLog(str(other), sm).recover()
+    LocalLog(str(other), Applier(sm)).recover()
     assert sm.store.revision == 121 and sm.store.range(b"k", ALL_KEYS_END).count == 120
     assert not newest.exists() and newest.with_suffix(".snap.broken").exists()
 
@@ -282,7 +282,7 @@ def test_local_log_full_disk_refuses_with_nospace_then_recovers(tmp_path: Path) 
 
     async def life() -> None:
         sm = StateMachine()
-        log = LocalLog(str(tmp_path), sm)
+        log = LocalLog(str(tmp_path), Applier(sm))
         log.recover()
         log.on_no_space = lambda: alarms.append(sm.applied_index)
         disk = SmallDisk(2000)
@@ -312,7 +312,7 @@ def test_local_log_full_disk_refuses_with_nospace_then_recovers(tmp_path: Path) 
 
     asyncio.run(life())
     sm = StateMachine()
-    LocalLog(str(tmp_path), sm).recover()
+    LocalLog(str(tmp_path), Applier(sm)).recover()
     assert sm.store.get(b"after") is not None
     assert sm.store.range(b"k", ALL_KEYS_END).count == sm.store.revision - 2
 
@@ -346,7 +346,7 @@ class FullSnapshots(SnapshotStore):
 
 def test_failed_snapshot_keeps_writing_and_retries_later(tmp_path: Path) -> None:
     async def life() -> None:
-        log = LocalLog(str(tmp_path), StateMachine(), snapshot_count=10)
+        log = LocalLog(str(tmp_path), Applier(StateMachine()), snapshot_count=10)
         log.recover()
         log.snapshots = FullSnapshots(str(tmp_path / "snap"), full=1)
         for i in range(25):  # one at a time: a snapshot is due at 10, then at 20
@@ -358,5 +358,5 @@ def test_failed_snapshot_keeps_writing_and_retries_later(tmp_path: Path) -> None
 
     asyncio.run(life())
     sm = StateMachine()
-    LocalLog(str(tmp_path), sm).recover()
+    LocalLog(str(tmp_path), Applier(sm)).recover()
     assert sm.store.revision == 26

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 SHORT = b"/q/"
 LONG = b"/queue/"
+PREFIXES = (SHORT, LONG)
+"""Every queue key starts with one of these (`key.startswith(PREFIXES)`)."""
 IDX_DIGITS = 16
 """Enough for 10^16 messages per queue; fixed width keeps key order = idx order."""
 

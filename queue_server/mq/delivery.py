@@ -1,0 +1,326 @@
+"""Delivery of etcd-key queue messages into this node's consumer watches.
+
+The state machine decides which consumer holds which message, the same on every
+member (`state.py`), and says so in each command's effects (`Assignment`). What
+belongs here is what only the node hosting a consumer's watch does with that:
+
+- the table of consumer watches on this node (`LocalConsumer`), the newest watch
+  of a consumer getting its deliveries;
+- turning an assignment into WatchResponses: PUT events of the message keys, or
+  of the handed-over delivery keys `/q/{name}/c/{uuid}/{idx}/{key}` when this
+  node is not the dispatching one; as few responses as DELIVERY_RESPONSE_BYTES
+  allows;
+- delivery leases: under an ack deadline a delivery carries a lease of its own,
+  which LeaseKeepAlive extends, LeaseTimeToLive reads and LeaseRevoke gives back
+  (a negative acknowledgement);
+- giving messages back (`requeue`, a `QueueRequeue` command), and when each
+  message was first seen here (the age of the oldest pending one is a metric).
+
+No I/O and no clock of its own: times come in as `now`; replicated changes are
+proposed through `propose`, scheduled with `spawn`. Reads of replicated state go
+through `QueueState.queues` and never change it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from etcdserverpb import internal_pb2, kv_pb2, rpc_pb2
+from queue_server.keyspace import grammar as keys
+from queue_server.mq.state import Assignment, QueueInfo, QueueState
+from queue_server.mvcc.store import Event, MVCCStore
+from queue_server.watch.hub import Watcher
+
+log = logging.getLogger(__name__)
+
+DELIVERY_RESPONSE_BYTES = 2 * 1024 * 1024
+"""Bytes of keys and values one delivery WatchResponse may carry; more deliveries
+go in further responses. gRPC clients refuse messages over 4 MiB by default (the
+python etcd3 client, generated stubs; etcd's Go client accepts 2 GiB), and a
+response over that breaks the consumer's stream, which gives its messages back,
+and they come back in one response again. Half of 4 MiB leaves room for the
+framing; one message alone (at most --max-request-bytes, 1.5 MiB by default) is
+always sent."""
+
+Propose = Callable[[internal_pb2.Command], Awaitable[object]]
+Spawn = Callable[[Coroutine[Any, Any, None]], object]
+
+
+@dataclass(eq=False, slots=True)
+class LocalConsumer:
+    """One consumer watch on this node, and its deliveries under an ack deadline."""
+
+    consumer_id: bytes
+    queue: bytes
+    watcher: Watcher
+    deadlines: dict[int, float] = field(default_factory=dict)  # idx -> ack deadline
+    leases: dict[int, int] = field(default_factory=dict)  # idx -> delivery lease id
+    stuck_since: float | None = None
+    stuck_head: object = None
+
+
+class Delivery:
+    """The etcd-key queue consumers whose watches are on this node, and what
+    they are delivered."""
+
+    def __init__(
+        self,
+        store_of: Callable[[], MVCCStore],
+        queues: QueueState,
+        node_name: bytes,
+        propose: Propose,
+        spawn: Spawn,
+        clock: Callable[[], float],
+        new_lease_id: Callable[[], int] | None = None,
+        dispatching_node: Callable[[], bytes] | None = None,
+    ) -> None:
+        self._store_of = store_of
+        self.queues = queues
+        self.node_name = node_name
+        self.propose = propose
+        self.spawn = spawn
+        self.clock = clock
+        self.started = clock()
+        self.new_lease_id = new_lease_id
+        self.dispatching_node = dispatching_node or (lambda: self.node_name)
+        # delivery leases: lease id -> (consumer, idx) of a delivery under an ack deadline
+        self.delivery_leases: dict[int, tuple[LocalConsumer, int]] = {}
+        # (queue, consumer id) -> its watches here, the newest last (it gets deliveries)
+        self.local: dict[tuple[bytes, bytes], list[LocalConsumer]] = {}
+        self.by_watcher: dict[Watcher, LocalConsumer] = {}
+        self.delivered = 0
+        # queue -> idx -> when this node saw the message produced (for metrics)
+        self.first_seen: dict[bytes, dict[int, float]] = {}
+
+    # -- the table of consumer watches ------------------------------------------
+
+    def attach(self, watcher: Watcher, name: bytes, consumer_id: bytes) -> None:
+        """A new watch of a consumer: it gets the consumer's deliveries from now.
+        What the consumer holds from before any watch of it was here (a restart)
+        is given back, so it is delivered again."""
+        watches = self.local.setdefault((name, consumer_id), [])
+        first_here = not watches
+        consumer = LocalConsumer(consumer_id, name, watcher)
+        watches.append(consumer)
+        self.by_watcher[watcher] = consumer
+        if first_here:
+            held = self._held_here(name, consumer_id)
+            if held:
+                self.requeue(name, consumer_id, held)
+
+    def detach(self, watcher: Watcher) -> LocalConsumer | None:
+        """The watch ended. If another watch of the same consumer stays (a client
+        that reconnected before its old stream was noticed closing), what the
+        consumer holds comes back to be delivered to that one. Returns the
+        consumer when this was its last watch here (its registry key must go)."""
+        consumer = self.by_watcher.pop(watcher, None)
+        if consumer is None:
+            return None
+        for lease_id in consumer.leases.values():
+            self.delivery_leases.pop(lease_id, None)
+        ident = (consumer.queue, consumer.consumer_id)
+        watches = self.local[ident]
+        watches.remove(consumer)
+        if not watches:
+            del self.local[ident]
+            return consumer
+        held = self._held_here(consumer.queue, consumer.consumer_id)
+        if held:
+            self.requeue(consumer.queue, consumer.consumer_id, held)
+        return None
+
+    def _held_here(self, name: bytes, consumer_id: bytes) -> list[int]:
+        q = self.queues.queues.get(name)
+        slot = q.consumers.get(consumer_id) if q is not None else None
+        if slot is None or slot.node != self.node_name:
+            return []
+        return list(slot.held)
+
+    def give_back_held(self) -> None:
+        """After a snapshot restore: what consumers here were assigned in the log
+        the snapshot skipped was never delivered; give it back."""
+        for name, consumer_id in self.local:
+            held = self._held_here(name, consumer_id)
+            if held:
+                self.requeue(name, consumer_id, held)
+
+    def requeue(self, name: bytes, consumer_id: bytes, idxs: list[int]) -> None:
+        """Give messages back to their queue (a failed delivery each)."""
+        command = internal_pb2.Command()
+        command.queue_requeue.queue = name
+        command.queue_requeue.consumer = consumer_id
+        command.queue_requeue.idx.extend(sorted(idxs))
+        self.spawn(self._propose_quietly(command))
+
+    async def _propose_quietly(self, command: internal_pb2.Command) -> None:
+        try:
+            result = await self.propose(command)
+        except Exception as e:
+            result = e
+        if isinstance(result, Exception):  # a later event (a restart, a session expiry) redoes it
+            log.warning("queue bookkeeping write failed error=%s", result)
+
+    # -- effects of apply --------------------------------------------------------
+
+    def on_commit(self, revision: int, events: list[Event]) -> None:
+        """Note when messages were produced (the age of the oldest pending one is
+        a metric)."""
+        now: float | None = None
+        for e in events:
+            key = e.kv.key
+            if not key.startswith(keys.PREFIXES):
+                continue
+            qk = keys.parse(key)
+            if qk is None or qk.kind != "message":
+                continue
+            if e.is_delete:
+                self.first_seen.get(qk.name, {}).pop(qk.idx, None)
+            elif e.prev_kv is None:
+                if now is None:
+                    now = self.clock()
+                self.first_seen.setdefault(qk.name, {})[qk.idx] = now
+
+    def oldest_pending_age(self, q: QueueInfo, now: float) -> float:
+        """Seconds since the oldest pending message was produced (0: none pending;
+        a message from before this process started counts from its start)."""
+        if not q.pending:
+            return 0.0
+        seen = self.first_seen.get(q.name, {}).get(q.pending.peekitem(0)[0])
+        return now - (seen if seen is not None else self.started)
+
+    def deliver(self, a: Assignment) -> None:
+        """The state machine assigned messages to a consumer: push them to its
+        newest watch, if that is on this node."""
+        if a.node != self.node_name:
+            return
+        watches = self.local.get((a.queue, a.consumer))
+        if not watches:
+            return  # its registry key is being deleted; the messages come back
+        consumer = watches[-1]
+        q = self.queues.queues[a.queue]
+        deadline = q.settings.ack_deadline
+        lease_ids: list[int] = []
+        if deadline:
+            now = self.clock()
+            for idx, _key in a.items:
+                consumer.deadlines[idx] = now + deadline
+                lease_id = 0
+                if self.new_lease_id is not None:
+                    lease_id = self.new_lease_id()
+                    old = consumer.leases.get(idx)
+                    if old is not None:
+                        self.delivery_leases.pop(old, None)
+                    consumer.leases[idx] = lease_id
+                    self.delivery_leases[lease_id] = (consumer, idx)
+                lease_ids.append(lease_id)
+        handover = None
+        if self.dispatching_node() != self.node_name:
+            handover = keys.consumer_key(q.spelling, q.name, a.consumer) + b"/"
+        self._push(consumer, self._store_of(), a.items, lease_ids, handover)
+
+    def _push(
+        self,
+        consumer: LocalConsumer,
+        store: MVCCStore,
+        items: list[tuple[int, bytes]],
+        lease_ids: list[int],
+        handover: bytes | None,
+    ) -> None:
+        """Push the messages to the consumer's stream: one WatchResponse, or more
+        when they would carry over DELIVERY_RESPONSE_BYTES. A delivery under an
+        ack deadline carries its delivery lease instead of the message's own;
+        one handed over from another node carries the delivery key."""
+        watch_id = consumer.watcher.watch_id
+        response = rpc_pb2.WatchResponse(watch_id=watch_id)
+        response.header.revision = store.revision
+        size = 0
+        get = store.get
+        for i, (_idx, key) in enumerate(items):
+            kv = get(key)
+            if kv is None:  # acknowledged by a later entry of the same batch
+                continue
+            entry = len(kv.key) + len(kv.value)
+            if response.events and size + entry > DELIVERY_RESPONSE_BYTES:
+                self.delivered += len(response.events)
+                consumer.watcher.stream.push(response, size)
+                response = rpc_pb2.WatchResponse(watch_id=watch_id)
+                response.header.revision = store.revision
+                size = 0
+            delivery_lease = lease_ids[i] if lease_ids else 0
+            lease = delivery_lease or kv.lease
+            if handover is None:
+                dst_key = kv.key
+            else:  # /q/{name}/c/{uuid}/ + {idx}/{key}
+                dst_key = handover + kv.key[kv.key.rindex(b"/", 0, kv.key.rindex(b"/")) + 1 :]
+            dst = response.events.add(type=kv_pb2.Event.PUT).kv
+            dst.key = dst_key
+            dst.create_revision = kv.create_revision
+            dst.mod_revision = kv.mod_revision
+            dst.version = kv.version
+            dst.value = kv.value
+            if lease:
+                dst.lease = lease
+            size += entry
+        if response.events:
+            self.delivered += len(response.events)
+            consumer.watcher.stream.push(response, size)
+
+    # -- delivery leases: the ack deadline as an etcd lease -----------------------
+
+    def holds(self, consumer: LocalConsumer, idx: int) -> bool:
+        """Whether the state machine still has `idx` with this consumer, here."""
+        q = self.queues.queues.get(consumer.queue)
+        slot = q.consumers.get(consumer.consumer_id) if q is not None else None
+        return slot is not None and slot.node == self.node_name and idx in slot.held
+
+    def forget(self, consumer: LocalConsumer, idx: int) -> None:
+        consumer.deadlines.pop(idx, None)
+        lease_id = consumer.leases.pop(idx, None)
+        if lease_id is not None:
+            self.delivery_leases.pop(lease_id, None)
+
+    def _delivery(self, lease_id: int) -> tuple[LocalConsumer, int, float] | None:
+        found = self.delivery_leases.get(lease_id)
+        if found is None:
+            return None
+        consumer, idx = found
+        if not self.holds(consumer, idx):
+            self.forget(consumer, idx)
+            return None
+        q = self.queues.queues.get(consumer.queue)
+        ttl = q.settings.ack_deadline if q is not None else 0.0
+        return consumer, idx, ttl
+
+    def keep_alive(self, lease_id: int, now: float) -> int | None:
+        """LeaseKeepAlive on a delivery lease: the ack deadline starts over.
+        Returns the TTL, or None if `lease_id` is not a delivery lease."""
+        found = self._delivery(lease_id)
+        if found is None:
+            return None
+        consumer, idx, ttl = found
+        consumer.deadlines[idx] = now + ttl
+        return max(1, round(ttl))
+
+    def time_to_live(self, lease_id: int, now: float) -> tuple[int, int, bytes] | None:
+        """(remaining s, granted s, message key) of a delivery lease, or None."""
+        found = self._delivery(lease_id)
+        if found is None:
+            return None
+        consumer, idx, ttl = found
+        remaining = max(0, int(consumer.deadlines.get(idx, now) - now))
+        q = self.queues.queues[consumer.queue]
+        return remaining, max(1, round(ttl)), q.holder[idx].held[idx]
+
+    def revoke(self, lease_id: int) -> bool:
+        """LeaseRevoke on a delivery lease: the consumer gives the message back
+        now (a negative acknowledgement). False if not a delivery lease."""
+        found = self._delivery(lease_id)
+        if found is None:
+            return False
+        consumer, idx, _ttl = found
+        self.forget(consumer, idx)
+        self.requeue(consumer.queue, consumer.consumer_id, [idx])
+        return True

@@ -1,0 +1,80 @@
+"""The node driver: what applied commands decided, carried out on this node.
+
+The state machine only records what a command changed (`apply.Effects`); the
+log hands each command's effects here (through `apply.Applier`), and the driver
+gives each part its share, in this order:
+
+1. committed events to the watch hub (key watchers), the consumer directory
+   (registry keys deleted under a live consumer) and the delivery table (when
+   messages were first seen);
+2. queue assignments to the delivery of the node hosting each consumer;
+3. CQS queues changed to the long-poll waiters and the CQS watch view;
+4. leases granted and revoked to the expiry clock.
+
+It also owns the node's one clock, `Timers`. The driver exists before the log
+(the log's applier needs it) and is handed its parts once they are built
+(`start`); effects of a log replayed before that are of no one's concern.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from queue_server.apply import Effects
+from queue_server.lease.expiry import ExpiryClock
+from queue_server.mq.delivery import Delivery
+from queue_server.mvcc.store import Event
+from queue_server.node.consumers import ConsumerDirectory
+from queue_server.node.timers import Timers
+from queue_server.watch.hub import WatchHub
+
+
+@dataclass(frozen=True, slots=True)
+class NodeParts:
+    """The node-local parts that act on effects."""
+
+    hub: WatchHub
+    consumers: ConsumerDirectory
+    delivery: Delivery
+    cqs_listeners: Sequence[Callable[[str], None]]
+    expiry: ExpiryClock
+
+
+class NodeDriver:
+    """Feeds each applied command's effects to the node's parts; keeps its clock."""
+
+    def __init__(self, timers: Timers) -> None:
+        self.timers = timers
+        self._parts: NodeParts | None = None
+        self._commit_listeners: tuple[Callable[[int, list[Event]], None], ...] = ()
+
+    def start(self, parts: NodeParts) -> None:
+        """The parts are built: effects reach them from now on."""
+        self._parts = parts
+        self._commit_listeners = (
+            parts.hub.on_commit,
+            parts.consumers.on_commit,
+            parts.delivery.on_commit,
+        )
+
+    def applied(self, effects: Effects) -> None:
+        parts = self._parts
+        if parts is None:
+            return
+        listeners = self._commit_listeners
+        for revision, events in effects.commits:
+            for listener in listeners:
+                listener(revision, events)
+        if effects.assignments:
+            deliver = parts.delivery.deliver
+            for assignment in effects.assignments:
+                deliver(assignment)
+        for name in effects.cqs_changed:
+            for notify in parts.cqs_listeners:
+                notify(name)
+        expiry = parts.expiry
+        for lease_id, ttl in effects.leases_granted:
+            expiry.granted(lease_id, ttl)
+        for lease_id in effects.leases_revoked:
+            expiry.revoked(lease_id)

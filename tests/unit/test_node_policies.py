@@ -1,0 +1,153 @@
+"""The node's timer policies and the dispatcher's parts, in-process, on a fake clock.
+
+Ack deadlines, stuck consumers and lease expiry are decided by policies that
+read no clock (`due(now)`), driven here by `Timers.run_due` with a `FakeClock`:
+no sleeps, and every step asserts what must and must not have happened yet.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+
+import pytest
+
+from etcdserverpb import internal_pb2, rpc_pb2
+from queue_server.mq.ack_policy import STUCK_SECONDS
+from queue_server.node.timers import Every, Timers
+from tests.support.node_harness import NODE, FakeClock, Node, delivered_keys, drain
+
+pytestmark = pytest.mark.unit
+
+
+def consumer_key(name: bytes) -> tuple[bytes, bytes]:
+    cid = str(uuid.uuid4()).encode()
+    return cid, b"/q/%s/c/%s" % (name, cid)
+
+
+async def test_registration_writes_the_registry_keys_and_release_deletes_them() -> None:
+    node = Node()
+    cid, key = consumer_key(b"reg")
+    stream = node.watch(key)
+    await node.settle()
+    assert node.state.store.get(key).value == NODE  # type: ignore[union-attr]
+    assert node.state.store.get(b"/q/reg").value == NODE  # type: ignore[union-attr]
+    assert node.state.queues.queues[b"reg"].consumers[cid].node == NODE
+    node.hub.close_stream(stream)
+    await node.settle()
+    assert node.state.store.get(key) is None
+    assert cid not in node.state.queues.queues[b"reg"].consumers
+
+
+async def test_a_deleted_registry_key_of_a_live_consumer_is_written_again() -> None:
+    node = Node()
+    _cid, key = consumer_key(b"again")
+    node.watch(key)
+    await node.settle()
+    await node.delete(key)  # an operator, or an expired session lease
+    await node.settle()
+    assert node.state.store.get(key) is not None
+
+
+async def test_delivery_past_its_ack_deadline_comes_back() -> None:
+    node = Node()
+    await node.put(b"/q/slow/config", json.dumps({"ack_deadline": 2}).encode())
+    cid, key = consumer_key(b"slow")
+    stream = node.watch(key)
+    await node.settle()
+    await node.put(b"/q/slow/p/m1", b"body")
+    await node.settle()
+    responses = drain(stream)
+    assert [e.kv.key.rsplit(b"/", 1)[1] for r in responses for e in r.events] == [b"m1"]
+    lease = responses[-1].events[0].kv.lease
+    assert lease  # a delivery lease of its own, for LeaseKeepAlive
+    q = node.state.queues.queues[b"slow"]
+
+    await node.tick(1.5)
+    assert q.attempts == {} and len(q.holder) == 1  # not yet
+
+    # a keepalive on the delivery lease starts the deadline over
+    assert node.delivery.keep_alive(lease, node.clock()) == 2
+    await node.tick(1.5)
+    assert q.attempts == {}
+
+    await node.tick(1.0)  # 2.5 s since the keepalive
+    assert q.attempts == {1: 1}
+    again = delivered_keys(stream)  # the only consumer gets it again
+    assert [k.rsplit(b"/", 1)[1] for k in again] == [b"m1"]
+    assert q.consumers[cid].held
+
+
+async def test_acknowledged_delivery_is_not_given_back_at_its_deadline() -> None:
+    node = Node()
+    await node.put(b"/q/acked/config", json.dumps({"ack_deadline": 1}).encode())
+    _cid, key = consumer_key(b"acked")
+    stream = node.watch(key)
+    await node.settle()
+    await node.put(b"/q/acked/p/m", b"x")
+    await node.settle()
+    (delivered,) = delivered_keys(stream)
+    await node.delete(delivered)
+    await node.tick(5)
+    q = node.state.queues.queues[b"acked"]
+    assert q.attempts == {} and q.depth == 0 and q.redelivered == 0
+
+
+async def test_stuck_consumer_is_dropped_and_its_messages_go_to_another() -> None:
+    node = Node()
+    stuck_id, stuck_key = consumer_key(b"st")
+    stuck = node.watch(stuck_key)
+    await node.settle()
+    await node.put(b"/q/st/p/m1", b"x")
+    await node.settle()
+    assert len(stuck.outbox) == 2  # created, then the delivery nobody reads
+    other_id, other_key = consumer_key(b"st")
+    other = node.watch(other_key)
+    await node.settle()
+    drain(other)
+
+    await node.tick(STUCK_SECONDS - 0.5)  # first seen stuck here
+    await node.tick(STUCK_SECONDS - 1.0)
+    assert stuck_id in node.state.queues.queues[b"st"].consumers
+    await node.tick(1.0)
+    q = node.state.queues.queues[b"st"]
+    assert stuck_id not in q.consumers
+    assert stuck.outbox[-1][0].canceled
+    assert [k.rsplit(b"/", 1)[1] for k in delivered_keys(other)] == [b"m1"]
+    assert q.consumers[other_id].held and q.redelivered == 1
+
+
+async def test_lease_expires_on_the_fake_clock() -> None:
+    node = Node()
+    grant = internal_pb2.Command(lease_grant=rpc_pb2.LeaseGrantRequest(ID=7, TTL=5))
+    await node.log.propose(grant)
+    await node.put(b"/with-lease", b"v", lease=7)
+    await node.tick(4.9)
+    assert node.revoked == [] and 7 in node.state.lessor.leases
+    await node.tick(0.2)
+    assert node.revoked == [7]
+    assert 7 not in node.state.lessor.leases
+    assert node.state.store.get(b"/with-lease") is None
+    assert node.expiry.remaining(7) == -1  # the revoke's effect reached the clock
+
+
+def test_timers_call_each_policy_at_its_interval_and_survive_a_failing_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = FakeClock(0.0)
+    timers = Timers(clock)
+    calls: list[tuple[str, float]] = []
+
+    def fail(now: float) -> None:
+        raise RuntimeError("boom")
+
+    timers.add("fast", Every(0.5, lambda now: calls.append(("fast", now))))
+    timers.add("slow", Every(2.0, lambda now: calls.append(("slow", now))))
+    timers.add("bad", Every(1.0, fail))
+    with caplog.at_level(logging.ERROR):
+        for _ in range(8):
+            timers.run_due(clock.advance(0.5))
+    assert [t for name, t in calls if name == "fast"] == [0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0]
+    assert [t for name, t in calls if name == "slow"] == [2.0, 4.0]
+    assert sum("policy=bad" in r.getMessage() for r in caplog.records) == 4
