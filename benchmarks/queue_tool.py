@@ -2,7 +2,7 @@
 
 Run it with::
 
-    python -m benchmarks.queue_tool [--quick] [--workloads mq,mq-batched,recipe,cqs-dequeue,cqs-reenqueue]
+    python -m benchmarks.queue_tool [--quick] [--workloads mq,mq-batched,recipe,cqs-dequeue,...]
         [--tool PATH] [--no-etcd] [--etcd PATH] [--ours-dir CHECKOUT] [--md FILE] [--json FILE]
 
 The driver is `tools/queue-bench` (Go; `scripts/build_queue_bench.sh` builds it offline, and this
@@ -26,6 +26,8 @@ The runs:
 - `mq`: our etcd-key queue, 8 consumers, one Put and one DeleteRange per message.
 - `mq-batched`: the same with 16 puts per Txn and acks of up to 16 deletes per Txn; its server CPU
   per message is a target row of its own.
+- `mq-deep`, `mq-batched-prefetch`: the two rows above with a deeper pipeline (more producers and
+  messages in flight; a prefetch window of 1000): reported, to show where the server's limit is.
 - `cqs-dequeue`: CQS BatchDequeue(max 20) + BatchAcknowledge, 4 consumers, from a prefilled queue.
 - `cqs-reenqueue`: one CQS ReEnqueue stream of items.
 
@@ -138,6 +140,39 @@ MQ_BATCHED = Run(
     quick=3_200,
     unit="msg",
 )
+MQ_DEEP = Run(
+    "mq-deep",
+    "mq",
+    lambda n: [
+        "--consumers=8",
+        "--producers=16",
+        "--put-batch=1",
+        "--ack-batch=1",
+        "--acks-in-flight=4",
+        "--inflight=512",
+        "--conns=4",
+    ],
+    full=60_000,
+    quick=1_000,
+    unit="msg",
+)
+MQ_BATCHED_PREFETCH = Run(
+    "mq-batched-prefetch",
+    "mq",
+    lambda n: [
+        "--consumers=8",
+        "--producers=8",
+        "--put-batch=16",
+        "--ack-batch=16",
+        "--acks-in-flight=2",
+        "--inflight=4096",
+        "--prefetch=1000",
+        "--conns=4",
+    ],
+    full=200_000,
+    quick=3_200,
+    unit="msg",
+)
 CQS_DEQUEUE = Run(
     "cqs-dequeue",
     "cqs-dequeue",
@@ -191,6 +226,21 @@ WORKLOADS: list[Workload] = [
         RECIPE,
         ">= 10,000 msgs/s",
         lambda rate, _ratio: None if rate is None else rate >= 10_000,
+    ),
+    Workload(
+        "mq-deep",
+        "variant of the first row: 16 producers, 512 messages unacked at most (msgs/s)",
+        MQ_DEEP,
+        RECIPE,
+        "(reported: how the first row moves with a deeper pipeline)",
+    ),
+    Workload(
+        "mq-batched-prefetch",
+        "variant of the batched row: prefetch 1000 per consumer, 8 producers, 4096 unacked "
+        "at most (msgs/s)",
+        MQ_BATCHED_PREFETCH,
+        RECIPE,
+        "(reported: how the batched row moves with a larger prefetch window)",
     ),
     Workload(
         "recipe",
