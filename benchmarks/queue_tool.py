@@ -133,6 +133,7 @@ MQ_BATCHED = Run(
         "--put-batch=16",
         "--ack-batch=16",
         "--acks-in-flight=2",
+        "--ack-linger=20ms",
         "--inflight=512",
         "--conns=4",
     ],
@@ -165,6 +166,7 @@ MQ_BATCHED_PREFETCH = Run(
         "--put-batch=16",
         "--ack-batch=16",
         "--acks-in-flight=2",
+        "--ack-linger=20ms",
         "--inflight=4096",
         "--prefetch=1000",
         "--conns=4",
@@ -454,6 +456,22 @@ def _checks(r: RunResult) -> str:
     return ", ".join(parts)
 
 
+def _batching(r: RunResult) -> str:
+    """Messages per produce request, per ack request and per delivery response (mq runs)."""
+    d = r.driver or {}
+    c = d.get("counts", {})
+    if (
+        not c.get("produce_requests")
+        or not c.get("ack_requests")
+        or not c.get("delivery_responses")
+    ):
+        return "—"
+    return (
+        f"{c['produced'] / c['produce_requests']:.1f} / {d.get('count', 0) / c['ack_requests']:.1f}"
+        f" / {c['deliveries'] / c['delivery_responses']:.1f}"
+    )
+
+
 def markdown(rows: list[Row], runs: list[RunResult], meta: dict[str, Any]) -> str:
     lines = [
         "# Queue workloads: queue-server vs etcd, driven by tools/queue-bench",
@@ -490,8 +508,8 @@ def markdown(rows: list[Row], runs: list[RunResult], meta: dict[str, Any]) -> st
         "from /proc by the driver; driver CPU is the Go driver's own over the same phase.",
         "",
         "| run | server | rate /s | latency p50 / p99 ms | server CPU µs per unit | driver CPU "
-        "µs per unit | count | checks | notes |",
-        "|---|---|--:|--:|--:|--:|--:|---|---|",
+        "µs per unit | count | messages per put / ack / delivery response | checks | notes |",
+        "|---|---|--:|--:|--:|--:|--:|--:|---|---|",
     ]
     for r in runs:
         d = r.driver or {}
@@ -508,7 +526,7 @@ def markdown(rows: list[Row], runs: list[RunResult], meta: dict[str, Any]) -> st
         lines.append(
             f"| {r.run} | {r.server} | {_rate(r)} | {lat_s} | {_num(r.server_us)} | "
             f"{_num(r.figure('client_cpu_us_per_unit'))} | {d.get('count', 0):,} {unit}s | "
-            f"{_checks(r)} | {'; '.join(n.replace('|', '/') for n in notes)} |"
+            f"{_batching(r)} | {_checks(r)} | {'; '.join(n.replace('|', '/') for n in notes)} |"
         )
     lines += ["", "Driver commands (the endpoint, server pid and bounds are added per run):", ""]
     seen: set[str] = set()

@@ -31,6 +31,7 @@ type mqFlags struct {
 	putBatch     int
 	ackBatch     int
 	acksInFlight int
+	ackLinger    time.Duration
 	inflight     int
 	prefetch     int
 	settle       time.Duration
@@ -57,6 +58,7 @@ func runMQ(args []string) int {
 	fs.IntVar(&f.putBatch, "put-batch", 1, "producer puts per request: 1 = Put, more = one Txn of that many puts")
 	fs.IntVar(&f.ackBatch, "ack-batch", 1, "acks per request: 1 = DeleteRange, more = one Txn of up to that many deletes")
 	fs.IntVar(&f.acksInFlight, "acks-in-flight", 4, "ack requests in flight per consumer")
+	fs.DurationVar(&f.ackLinger, "ack-linger", 0, "with --ack-batch > 1, wait up to this long for a full batch of deliveries before acking fewer (0: ack what has arrived)")
 	fs.IntVar(&f.inflight, "inflight", 128, "most messages produced and not yet acknowledged")
 	fs.IntVar(&f.prefetch, "prefetch", 0, "put {\"prefetch\": N} on /q/{name}/config first (0: the queue's default, 64)")
 	fs.DurationVar(&f.settle, "settle", 500*time.Millisecond, "after the last ack, keep watching this long for late (duplicate) deliveries")
@@ -84,6 +86,7 @@ func runMQ(args []string) int {
 		"queue": f.queue, "total": f.total, "consumers": f.consumers, "producers": f.producers,
 		"put_batch": f.putBatch, "ack_batch": f.ackBatch, "acks_in_flight": f.acksInFlight,
 		"inflight": f.inflight, "prefetch": f.prefetch, "conns": f.conns, "value_size": f.valueSize,
+		"ack_linger_ms": f.ackLinger.Seconds() * 1000,
 	}
 	o.LatencyOf = "produce (before the Put/Txn is sent) to delivery (the watch event received)"
 	errs := &errorLog{}
@@ -221,12 +224,27 @@ func mqRun(f *mqFlags, o *output, errs *errorLog) {
 						return
 					}
 					batch := [][]byte{key}
+					var linger <-chan time.Time
+					if f.ackLinger > 0 && f.ackBatch > 1 {
+						linger = time.After(f.ackLinger)
+					}
 				fill:
 					for len(batch) < f.ackBatch {
+						if linger == nil {
+							select {
+							case k := <-c.acks:
+								batch = append(batch, k)
+							default:
+								break fill
+							}
+							continue
+						}
 						select {
 						case k := <-c.acks:
 							batch = append(batch, k)
-						default:
+						case <-linger:
+							break fill
+						case <-measure.Done():
 							break fill
 						}
 					}
