@@ -1,0 +1,726 @@
+"""The queue workloads side by side with real etcd, driven by our Go load generator.
+
+Run it with::
+
+    python -m benchmarks.queue_tool [--quick] [--workloads mq,mq-batched,recipe,cqs-dequeue,...]
+        [--tool PATH] [--no-etcd] [--etcd PATH] [--ours-dir CHECKOUT] [--md FILE] [--json FILE]
+
+The driver is `tools/queue-bench` (Go; `scripts/build_queue_bench.sh` builds it offline, and this
+module builds it into a temporary directory unless `--tool` names a built one). A Python gRPC client
+costs more CPU per message than either server and saturates a 2-core machine; the Go driver costs
+a fraction of the server's CPU per message, and reports its own so that can be checked.
+
+What it owns: for each run it starts a fresh server (ours: `python -m queue_server.cli`, etcd:
+Debian's 3.4), each in a new temporary data directory on free 127.0.0.1 ports, with the
+server-starting code of `benchmarks.etcd_tool`; it runs the driver once against it (bounded: the
+driver's own `--timeout`, and a subprocess timeout after which the driver is killed by its pid),
+then stops the server by its pid. Servers never run at the same time. The driver reads the
+server's CPU time (utime + stime of the pid and its descendants, /proc/PID/stat) at the start and
+the end of its measured phase, so CPU per message leaves out setup and prefill; this module reads
+the whole machine's busy CPU over the driver run and flags runs that other processes disturbed.
+
+The runs:
+
+- `recipe`: etcd's queue recipe (prefix put, 8 consumers each prefix-watching, claim with a
+  mod_revision Txn) on real etcd, and on ours. etcd's run is the baseline of the `mq` rows.
+- `mq`: our etcd-key queue, 8 consumers, one Put and one DeleteRange per message.
+- `mq-batched`: the same with 16 puts per Txn and acks of up to 16 deletes per Txn; its server CPU
+  per message is a target row of its own.
+- `mq-deep`, `mq-batched-prefetch`: the two rows above with a deeper pipeline (more producers and
+  messages in flight; a prefetch window of 1000): reported, to show where the server's limit is.
+- `cqs-dequeue`: CQS BatchDequeue(max 20) + BatchAcknowledge, 4 consumers, from a prefilled queue.
+- `cqs-reenqueue`: one CQS ReEnqueue stream of items.
+
+Any run whose driver reports a lost, duplicated or unknown message, an RPC error or a timeout
+fails: the row says FAILED with the reason and the exit status is 1.
+
+Output: Markdown (the targets of issue 14 with ours, etcd's recipe, ratio and met?, then every run
+in detail) and JSON. A full run writes `docs/bench/queue-tool.md` and `docs/bench/queue-tool.json`
+unless `--md`/`--json` say otherwise; a `--quick` run (small counts, well under a minute in all)
+writes only where `--md`/`--json` say. The Markdown also goes to stdout, progress to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.etcd_tool import (
+    OTHER_CPU_WARN,
+    REPO_ROOT,
+    STOP_TIMEOUT,
+    EtcdServer,
+    OursServer,
+    Server,
+    children_cpu,
+    etcd_version,
+    git_commit,
+    machine_busy_cpu,
+    process_tree_cpu,
+)
+
+BUILD_SCRIPT = REPO_ROOT / "scripts" / "build_queue_bench.sh"
+BUILD_TIMEOUT = 600.0
+DOCS_MD = REPO_ROOT / "docs" / "bench" / "queue-tool.md"
+DOCS_JSON = REPO_ROOT / "docs" / "bench" / "queue-tool.json"
+QUICK_DRIVER_TIMEOUT = 60.0
+FULL_DRIVER_TIMEOUT = 400.0
+SETUP_TIMEOUT = 120.0
+"""The driver's own bound on its setup (connect, watches, prefill)."""
+KILL_MARGIN = 60.0
+"""Seconds past the driver's own bounds after which it is killed."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """One way to drive one server: a driver subcommand and its flags for a given count."""
+
+    name: str
+    subcommand: str
+    flags: Callable[[int], list[str]]
+    full: int
+    quick: int
+    unit: str
+
+    def args(self, quick: bool) -> list[str]:
+        n = self.quick if quick else self.full
+        return [self.subcommand, f"--total={n}", *self.flags(n)]
+
+
+RECIPE = Run(
+    "recipe",
+    "recipe",
+    lambda n: ["--consumers=8", "--producers=4", "--inflight=128", "--conns=4"],
+    full=20_000,
+    quick=300,
+    unit="msg",
+)
+MQ = Run(
+    "mq",
+    "mq",
+    lambda n: [
+        "--consumers=8",
+        "--producers=8",
+        "--put-batch=1",
+        "--ack-batch=1",
+        "--acks-in-flight=4",
+        "--inflight=128",
+        "--conns=4",
+    ],
+    full=60_000,
+    quick=1_000,
+    unit="msg",
+)
+MQ_BATCHED = Run(
+    "mq-batched",
+    "mq",
+    lambda n: [
+        "--consumers=8",
+        "--producers=4",
+        "--put-batch=16",
+        "--ack-batch=16",
+        "--acks-in-flight=2",
+        "--ack-linger=20ms",
+        "--inflight=512",
+        "--conns=4",
+    ],
+    full=200_000,
+    quick=3_200,
+    unit="msg",
+)
+MQ_DEEP = Run(
+    "mq-deep",
+    "mq",
+    lambda n: [
+        "--consumers=8",
+        "--producers=16",
+        "--put-batch=1",
+        "--ack-batch=1",
+        "--acks-in-flight=4",
+        "--inflight=512",
+        "--conns=4",
+    ],
+    full=60_000,
+    quick=1_000,
+    unit="msg",
+)
+MQ_BATCHED_PREFETCH = Run(
+    "mq-batched-prefetch",
+    "mq",
+    lambda n: [
+        "--consumers=8",
+        "--producers=8",
+        "--put-batch=16",
+        "--ack-batch=16",
+        "--acks-in-flight=2",
+        "--ack-linger=20ms",
+        "--inflight=4096",
+        "--prefetch=1000",
+        "--conns=4",
+    ],
+    full=200_000,
+    quick=3_200,
+    unit="msg",
+)
+CQS_DEQUEUE = Run(
+    "cqs-dequeue",
+    "cqs-dequeue",
+    lambda n: ["--consumers=4", "--batch=20", "--depth=4", "--prefill=put", "--conns=4"],
+    full=200_000,
+    quick=2_000,
+    unit="notification",
+)
+CQS_REENQUEUE = Run(
+    "cqs-reenqueue",
+    "cqs-reenqueue",
+    lambda n: [],
+    full=1_000_000,
+    quick=10_000,
+    unit="item",
+)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A row of the report: what runs on ours, and what on etcd (its recipe) to compare."""
+
+    name: str
+    title: str
+    ours: Run
+    etcd: Run | None
+    target: str
+    meets: Callable[[float | None, float | None], bool | None] | None = None
+    """(ours per second, ours/etcd) -> met?, or None when the target is only reported."""
+
+
+def _mq_target(rate: float | None, ratio: float | None) -> bool | None:
+    if rate is None:
+        return None
+    return rate >= 3_000 and ratio is not None and ratio >= 10
+
+
+WORKLOADS: list[Workload] = [
+    Workload(
+        "mq",
+        "etcd-key queue, 8 consumers, one put and one delete per message (msgs/s)",
+        MQ,
+        RECIPE,
+        ">= 3,000 msgs/s and >= 10x etcd's recipe on real etcd",
+        _mq_target,
+    ),
+    Workload(
+        "mq-batched",
+        "the same, 16 puts per Txn and 16 acks (deletes) per Txn (msgs/s)",
+        MQ_BATCHED,
+        RECIPE,
+        ">= 10,000 msgs/s",
+        lambda rate, _ratio: None if rate is None else rate >= 10_000,
+    ),
+    Workload(
+        "mq-deep",
+        "variant of the first row: 16 producers, 512 messages unacked at most (msgs/s)",
+        MQ_DEEP,
+        RECIPE,
+        "(reported: how the first row moves with a deeper pipeline)",
+    ),
+    Workload(
+        "mq-batched-prefetch",
+        "variant of the batched row: prefetch 1000 per consumer, 8 producers, 4096 unacked "
+        "at most (msgs/s)",
+        MQ_BATCHED_PREFETCH,
+        RECIPE,
+        "(reported: how the batched row moves with a larger prefetch window)",
+    ),
+    Workload(
+        "recipe",
+        "etcd's queue recipe, 8 consumers, claim by mod_revision Txn (msgs/s)",
+        RECIPE,
+        RECIPE,
+        "(the baseline of the rows above)",
+    ),
+    Workload(
+        "cqs-dequeue",
+        "CQS BatchDequeue + BatchAcknowledge, batches of 20, 4 consumers (notifications/s)",
+        CQS_DEQUEUE,
+        None,
+        "notifications/s (reported)",
+    ),
+    Workload(
+        "cqs-reenqueue",
+        "CQS ReEnqueue, one client stream (items/s)",
+        CQS_REENQUEUE,
+        None,
+        "items/s (reported)",
+    ),
+]
+WORKLOADS_BY_NAME = {w.name: w for w in WORKLOADS}
+
+
+def log(msg: str) -> None:
+    print(f"[queue_tool {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --- one driver run against one fresh server -------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    run: str
+    server: str
+    command: list[str]
+    ok: bool = False
+    error: str | None = None
+    driver: dict[str, Any] | None = None
+    """The driver's JSON object."""
+    wall_s: float | None = None
+    server_cpu_run_s: float | None = None
+    """The server's CPU over the whole driver run (setup and prefill included)."""
+    driver_cpu_s: float | None = None
+    other_cpu_s: float | None = None
+    """Busy CPU of the machine over the driver run minus the server's and the driver's."""
+    notes: list[str] = field(default_factory=list)
+
+    def figure(self, key: str) -> float | None:
+        if not self.ok or self.driver is None:
+            return None
+        value = self.driver.get(key)
+        return float(value) if isinstance(value, int | float) else None
+
+    @property
+    def per_second(self) -> float | None:
+        return self.figure("per_second")
+
+    @property
+    def server_us(self) -> float | None:
+        return self.figure("server_cpu_us_per_unit")
+
+
+def drive(
+    tool: Path, server: Server, run: Run, quick: bool, timeout: float, work: Path
+) -> RunResult:
+    """One driver run against a ready `server`."""
+    cmd = [
+        str(tool),
+        *run.args(quick),
+        f"--endpoint={server.endpoint}",
+        f"--server-pid={server.pid}",
+        f"--timeout={timeout:.0f}s",
+        f"--setup-timeout={SETUP_TIMEOUT:.0f}s",
+        f"--label={run.name} on {server.kind}",
+    ]
+    res = RunResult(run=run.name, server=server.kind, command=cmd)
+    out_path = work / f"{run.name}-{server.kind}.json"
+    with open(out_path, "wb") as out:
+        busy0, drv0, srv0 = machine_busy_cpu(), children_cpu(), process_tree_cpu(server.pid)
+        t0 = time.monotonic()
+        # stderr (the driver's progress lines) goes straight to ours
+        proc = subprocess.Popen(cmd, stdout=out, stdin=subprocess.DEVNULL)
+        rc: int | None = None
+        try:
+            rc = proc.wait(timeout=timeout + SETUP_TIMEOUT + KILL_MARGIN)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            if proc.poll() is None:  # timed out, or we are being stopped: end it by its pid
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=STOP_TIMEOUT)
+        res.wall_s = time.monotonic() - t0
+        res.server_cpu_run_s = process_tree_cpu(server.pid) - srv0
+        res.driver_cpu_s = children_cpu() - drv0
+        res.other_cpu_s = max(
+            machine_busy_cpu() - busy0 - res.server_cpu_run_s - res.driver_cpu_s, 0.0
+        )
+    text = out_path.read_text(errors="replace").strip()
+    if text:
+        try:
+            res.driver = json.loads(text.splitlines()[-1])
+        except json.JSONDecodeError as e:
+            res.error = f"the driver's output is not JSON ({e}): {text[-300:]}"
+    if rc is None:
+        res.error = f"the driver was killed after {res.wall_s:.0f}s (past its own bounds)"
+    elif res.driver is None:
+        res.error = res.error or f"the driver exited with code {rc} and no JSON output"
+    elif rc != 0 or not res.driver.get("ok"):
+        failures = res.driver.get("failures") or [f"exit code {rc}"]
+        res.error = "; ".join(str(f) for f in failures)
+    else:
+        res.ok = True
+    if server.proc is not None and server.proc.poll() is not None:
+        res.ok = False
+        res.error = f"the server exited with code {server.proc.returncode} during the run"
+    if res.wall_s and res.other_cpu_s / res.wall_s > OTHER_CPU_WARN:
+        res.notes.append(
+            f"other processes used {res.other_cpu_s:.1f} CPU-s during the run "
+            f"({res.other_cpu_s / res.wall_s:.2f} cores): figures may be disturbed"
+        )
+    return res
+
+
+def run_on(kind: str, run: Run, args: argparse.Namespace) -> RunResult:
+    """A fresh server of `kind` in a new data directory, one driver run, then stop it."""
+    work = Path(tempfile.mkdtemp(prefix=f"queue-tool-{run.name}-{kind}-"))
+    server: Server | None = None
+    log(f"{run.name} on {kind}: {run.quick if args.quick else run.full:,} {run.unit}s in {work}")
+    try:
+        if kind == "ours":
+            server = OursServer(work, args.etcdctl, None, args.ours_dir)
+        else:
+            server = EtcdServer(work, args.etcdctl, args.etcd)
+        server.start()
+        log(f"  {kind} ready on {server.endpoint} (pid {server.pid})")
+        res = drive(args.tool, server, run, args.quick, args.timeout, work)
+    except Exception as e:
+        res = RunResult(run=run.name, server=kind, command=[], error=f"{type(e).__name__}: {e}")
+    finally:
+        if server is not None:
+            server.stop()
+    if res.ok:
+        d = res.driver or {}
+        log(
+            f"  {kind}: {d.get('per_second', 0):,.0f} {run.unit}s/s, server CPU "
+            f"{res.server_us or 0:,.0f} µs/{run.unit}, driver CPU "
+            f"{d.get('client_cpu_us_per_unit', 0):,.0f} µs/{run.unit}"
+        )
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        log(f"  {kind}: FAILED: {res.error}")
+        if server is not None:
+            res.notes.append(f"server log tail: {server.log_tail(5)}")
+        log(f"  kept {work} (server log, driver output)")
+    for note in res.notes:
+        log(f"  {kind}: note: {note}")
+    return res
+
+
+# --- report --------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    workload: Workload
+    ours: RunResult | None
+    etcd: RunResult | None
+
+    @property
+    def ratio(self) -> float | None:
+        a = self.ours.per_second if self.ours else None
+        b = self.etcd.per_second if self.etcd else None
+        return a / b if a is not None and b else None
+
+    @property
+    def met(self) -> bool | None:
+        if self.workload.meets is None or self.ours is None:
+            return None
+        return self.workload.meets(self.ours.per_second, self.ratio)
+
+
+def _num(x: float | None, fmt: str = "{:,.0f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def _met(row: Row) -> str:
+    if row.ours is not None and not row.ours.ok:
+        return "FAILED"
+    m = row.met
+    return (
+        "reported" if row.workload.meets is None else ("—" if m is None else "yes" if m else "no")
+    )
+
+
+def _rate(r: RunResult | None) -> str:
+    if r is None:
+        return "—"
+    return _num(r.per_second) if r.ok else "FAILED"
+
+
+def _checks(r: RunResult) -> str:
+    c = (r.driver or {}).get("counts", {})
+    keys = ("duplicates", "missing", "unknown", "left_in_queue", "rpc_errors")
+    parts = [f"{k} {c[k]}" for k in keys if k in c]
+    if "claim_conflicts" in c:
+        parts.append(f"claim conflicts {c['claim_conflicts']:,}")
+    return ", ".join(parts)
+
+
+def _batching(r: RunResult) -> str:
+    """Messages per produce request, per ack request and per delivery response (mq runs)."""
+    d = r.driver or {}
+    c = d.get("counts", {})
+    if (
+        not c.get("produce_requests")
+        or not c.get("ack_requests")
+        or not c.get("delivery_responses")
+    ):
+        return "—"
+    return (
+        f"{c['produced'] / c['produce_requests']:.1f} / {d.get('count', 0) / c['ack_requests']:.1f}"
+        f" / {c['deliveries'] / c['delivery_responses']:.1f}"
+    )
+
+
+def markdown(rows: list[Row], runs: list[RunResult], meta: dict[str, Any]) -> str:
+    lines = [
+        "# Queue workloads: queue-server vs etcd, driven by tools/queue-bench",
+        "",
+        f"{meta['date']}; {meta['mode']} mode; {meta['cpus']} CPUs; etcd {meta['etcd_version']}; "
+        f"our server from {meta['ours_dir']} at commit {meta['commit']}; driver "
+        f"`tools/queue-bench` (Go, {meta['go']}). Generated by `python -m benchmarks.queue_tool"
+        f"{' --quick' if meta['mode'] == 'quick' else ''}`.",
+        "",
+        "## Against the targets of issue 14",
+        "",
+        "| workload | ours | etcd's recipe | ours/etcd | target | met |",
+        "|---|--:|--:|--:|---|---|",
+    ]
+    for row in rows:
+        ratio = _num(row.ratio, "{:.2f}x")
+        lines.append(
+            f"| {row.workload.title} | {_rate(row.ours)} | {_rate(row.etcd)} | {ratio} | "
+            f"{row.workload.target} | {_met(row)} |"
+        )
+        if row.workload.name == "mq-batched" and row.ours is not None:
+            etcd_us = row.etcd.server_us if row.etcd else None
+            lines.append(
+                "| server CPU per message in the batched row (µs; etcd: per message of its "
+                f"recipe) | {_num(row.ours.server_us)} | {_num(etcd_us)} | | µs per message "
+                f"(reported) | {'FAILED' if not row.ours.ok else 'reported'} |"
+            )
+    lines += [
+        "",
+        "## Every run",
+        "",
+        "Rates are completions over the measured phase (first produce to last ack, claim or "
+        "answer). Server CPU is the server process's user+system time over that phase, read "
+        "from /proc by the driver; driver CPU is the Go driver's own over the same phase.",
+        "",
+        "| run | server | rate /s | latency p50 / p99 ms | server CPU µs per unit | driver CPU "
+        "µs per unit | count | messages per put / ack / delivery response | checks | notes |",
+        "|---|---|--:|--:|--:|--:|--:|--:|---|---|",
+    ]
+    for r in runs:
+        d = r.driver or {}
+        lat = d.get("latency_ms") or {}
+        lat_s = (
+            f"{lat['p50']:.2f} / {lat['p99']:.2f}"
+            if r.ok and "p50" in lat and "p99" in lat
+            else "—"
+        )
+        notes = list(r.notes)
+        if not r.ok:
+            notes.insert(0, f"FAILED: {r.error}")
+        unit = d.get("unit", "")
+        lines.append(
+            f"| {r.run} | {r.server} | {_rate(r)} | {lat_s} | {_num(r.server_us)} | "
+            f"{_num(r.figure('client_cpu_us_per_unit'))} | {d.get('count', 0):,} {unit}s | "
+            f"{_batching(r)} | {_checks(r)} | {'; '.join(n.replace('|', '/') for n in notes)} |"
+        )
+    lines += ["", "Driver commands (the endpoint, server pid and bounds are added per run):", ""]
+    seen: set[str] = set()
+    for r in runs:
+        if r.run in seen or not r.command:
+            continue
+        seen.add(r.run)
+        shown = [
+            a for a in r.command[1:] if not a.startswith(("--endpoint", "--server-pid", "--label"))
+        ]
+        lines.append(f"- **{r.run}**: `queue-bench {' '.join(shown)}`")
+    lines += [
+        "",
+        "Each run has a fresh server (new temporary data directory, fsync on, default settings) "
+        "and runs alone. Latency: mq, produce to delivery; recipe, produce to successful claim; "
+        "cqs-dequeue, one BatchDequeue + BatchAcknowledge. Every message is tracked by number: "
+        "a run fails when one is missing, received twice or unknown, or when anything is left "
+        "in the queue.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def to_json(rows: list[Row], runs: list[RunResult], meta: dict[str, Any]) -> dict[str, Any]:
+    out_rows = []
+    for row in rows:
+        entry: dict[str, Any] = {
+            "workload": row.workload.name,
+            "title": row.workload.title,
+            "target": row.workload.target,
+            "ours_per_second": row.ours.per_second if row.ours else None,
+            "etcd_recipe_per_second": row.etcd.per_second if row.etcd else None,
+            "ours_over_etcd": row.ratio,
+            "ours_server_cpu_us_per_unit": row.ours.server_us if row.ours else None,
+            "etcd_server_cpu_us_per_unit": row.etcd.server_us if row.etcd else None,
+            "met": row.met,
+            "ok": bool(row.ours and row.ours.ok and (row.etcd is None or row.etcd.ok)),
+        }
+        out_rows.append(entry)
+    return {"meta": meta, "rows": out_rows, "runs": [asdict(r) for r in runs]}
+
+
+# --- main ----------------------------------------------------------------------------------
+
+
+def build_tool(out_dir: Path) -> Path:
+    """Build the driver with scripts/build_queue_bench.sh into out_dir."""
+    out = out_dir / "queue-bench"
+    log(f"building the driver: {BUILD_SCRIPT} {out}")
+    r = subprocess.run(
+        ["bash", str(BUILD_SCRIPT), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT,
+        check=False,
+    )
+    if r.returncode != 0 or not out.exists():
+        raise RuntimeError(f"building the driver failed ({r.returncode}): {r.stderr[-2000:]}")
+    return out
+
+
+def go_version() -> str:
+    try:
+        r = subprocess.run(
+            ["go", "version"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    return r.stdout.strip().removeprefix("go version ") or "?"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.queue_tool",
+        description="The queue workloads on queue-server and etcd, driven by tools/queue-bench.",
+    )
+    p.add_argument("--quick", action="store_true", help="small counts (well under a minute)")
+    p.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS_BY_NAME),
+        help=f"comma-separated, from {','.join(WORKLOADS_BY_NAME)} (default: all)",
+    )
+    p.add_argument("--tool", type=Path, default=None, help="a built driver (default: build one)")
+    p.add_argument("--no-etcd", action="store_true", help="run on our server only")
+    p.add_argument("--etcd", default=None, help="the etcd binary (default: etcd on PATH)")
+    p.add_argument(
+        "--ours-dir",
+        type=Path,
+        default=REPO_ROOT,
+        help="run our server from this checkout instead of this one",
+    )
+    p.add_argument("--md", type=Path, default=None, help="write the Markdown report here")
+    p.add_argument("--json", type=Path, default=None, help="write the JSON results here")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help=f"the driver's bound on each measured phase, seconds (default "
+        f"{QUICK_DRIVER_TIMEOUT:.0f} quick, {FULL_DRIVER_TIMEOUT:.0f} full)",
+    )
+    args = p.parse_args(argv)
+    names = [s.strip() for s in str(args.workloads).split(",") if s.strip()]
+    unknown = [s for s in names if s not in WORKLOADS_BY_NAME]
+    if unknown or not names:
+        p.error(f"unknown workload(s) {unknown}; choose from {','.join(WORKLOADS_BY_NAME)}")
+    args.workload_list = [WORKLOADS_BY_NAME[s] for s in names]
+    if args.tool is not None and not args.tool.exists():
+        p.error(f"no driver at {args.tool}; build one: bash {BUILD_SCRIPT} OUT")
+    if args.tool is None and shutil.which("go") is None:
+        p.error("no go on PATH to build the driver (apt-get install golang-go), and no --tool")
+    args.etcdctl = shutil.which("etcdctl")
+    if not args.etcdctl:
+        p.error("no etcdctl on PATH (apt-get install etcd-client): it checks server readiness")
+    if args.no_etcd:
+        args.etcd = None
+    else:
+        args.etcd = args.etcd or shutil.which("etcd")
+        if not args.etcd:
+            p.error("no etcd binary (apt-get install etcd-server, --etcd PATH, or --no-etcd)")
+    args.ours_dir = Path(args.ours_dir).resolve()
+    if not (args.ours_dir / "queue_server" / "cli.py").exists():
+        p.error(f"no queue_server/cli.py in --ours-dir {args.ours_dir}")
+    if args.timeout is None:
+        args.timeout = QUICK_DRIVER_TIMEOUT if args.quick else FULL_DRIVER_TIMEOUT
+    if not args.quick:
+        args.md = args.md or DOCS_MD
+        args.json = args.json or DOCS_JSON
+    return args
+
+
+def _stop_on_sigterm(signum: int, _frame: object) -> None:
+    """SIGTERM unwinds like Ctrl-C, so the `finally` blocks stop the driver and the server."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    mode = "quick" if args.quick else "full"
+    started = time.monotonic()
+    build_dir: Path | None = None
+    try:
+        if args.tool is None:
+            build_dir = Path(tempfile.mkdtemp(prefix="queue-tool-build-"))
+            args.tool = build_tool(build_dir)
+        meta: dict[str, Any] = {
+            "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+            "mode": mode,
+            "cpus": os.cpu_count(),
+            "etcd_version": etcd_version(args.etcd) if args.etcd else "not run",
+            "etcd": args.etcd,
+            "commit": git_commit(args.ours_dir),
+            "ours_dir": str(args.ours_dir),
+            "go": go_version(),
+            "python": sys.version.split()[0],
+            "load_average_at_start": list(os.getloadavg()),
+        }
+        # etcd's recipe run is the baseline of every row that compares with it: run it once.
+        cache: dict[tuple[str, str], RunResult] = {}
+        runs: list[RunResult] = []
+
+        def result(kind: str, run: Run) -> RunResult:
+            key = (kind, run.name)
+            if key not in cache:
+                cache[key] = run_on(kind, run, args)
+                runs.append(cache[key])
+            return cache[key]
+
+        rows: list[Row] = []
+        for wl in args.workload_list:
+            etcd = result("etcd", wl.etcd) if wl.etcd is not None and args.etcd else None
+            ours = result("ours", wl.ours)
+            rows.append(Row(wl, ours, etcd))
+        meta["duration_s"] = round(time.monotonic() - started, 1)
+        md = markdown(rows, runs, meta)
+        if args.md:
+            args.md.parent.mkdir(parents=True, exist_ok=True)
+            args.md.write_text(md)
+            log(f"wrote {args.md}")
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(to_json(rows, runs, meta), indent=2) + "\n")
+            log(f"wrote {args.json}")
+        print(md)
+        failed = [f"{r.run} on {r.server}" for r in runs if not r.ok]
+        if failed:
+            log(f"FAILED: {', '.join(failed)}")
+            return 1
+        log(f"done in {time.monotonic() - started:.0f}s")
+        return 0
+    finally:
+        if build_dir is not None:
+            shutil.rmtree(build_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
