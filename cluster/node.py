@@ -514,6 +514,8 @@ class ClusterLog:
             self.peers.send(m.dst, m.to_bytes())
         for e in rd.committed:
             self._apply(e)
+        if rd.committed:
+            self.applier.batch_applied()
         for rs in rd.read_states:
             fut = self._reads.get(rs.context)
             if fut is not None and not fut.done():
@@ -533,7 +535,7 @@ class ClusterLog:
             effects = sm.apply_member_change(
                 e.index, change.node_id, change.op is ConfChangeOp.ADD, urls
             )
-            self.applier.sink(effects)
+            self.applier.sink.applied(effects)
             result = _NO_RESULT
             if self.on_conf_change is not None:
                 self.on_conf_change(change)

@@ -69,6 +69,8 @@ class Effects:
     """Committed write transactions, in revision order: (revision, events)."""
     assignments: list[Assignment] = field(default_factory=list)
     """Messages handed to consumers (delivered by the node hosting each)."""
+    queue_messages: list[tuple[bytes, int, bool]] = field(default_factory=list)
+    """(queue, idx, produced?) of etcd-key queue messages produced or removed."""
     cqs_changed: set[str] = field(default_factory=set)
     """CQS queues that may have gained visible notifications or lost in-flight ones."""
     leases_granted: list[tuple[int, int]] = field(default_factory=list)
@@ -81,6 +83,7 @@ class Effects:
         return bool(
             self.commits
             or self.assignments
+            or self.queue_messages
             or self.cqs_changed
             or self.leases_granted
             or self.leases_revoked
@@ -153,6 +156,7 @@ class StateMachine:
             raise self.failed from e
         effects = self._effects
         effects.assignments = self.queues.take_assignments()
+        effects.queue_messages = self.queues.take_messages()
         effects.cqs_changed = self.cqs.take_changed()
         effects.leases_granted, effects.leases_revoked = self.lessor.take_changes()
         if not effects:
@@ -273,6 +277,7 @@ class StateMachine:
         self.alarms.restore_state(state["alarms"])
         self.queues.restore_state(state["queues"], self.store)
         self.cqs.restore_state(state.get("cqs", []))
+        self.router.forget()
         self.members = dict(state.get("members", {}))
         self.auth.restore_state(state.get("auth"))
         self.applied_index = state["applied_index"]
@@ -289,18 +294,33 @@ def _needs_space(kind: str | None, command: internal_pb2.Command, router: Keyspa
     return kind == "txn" and not is_read_only(command.txn)
 
 
-EffectsSink = Callable[[Effects], None]
+class EffectsSink(Protocol):
+    """Who acts on what applied commands decided (the node driver)."""
+
+    def applied(self, effects: Effects) -> None:
+        """One command's effects, in log order."""
+        ...
+
+    def batch_applied(self) -> None:
+        """The log applied the batch it had (one group commit, one Ready): what
+        was held back to be sent together (deliveries) goes now."""
+        ...
 
 
-def _ignore_effects(effects: Effects) -> None:
-    return None
+class _NoSink:
+    def applied(self, effects: Effects) -> None:
+        return None
+
+    def batch_applied(self) -> None:
+        return None
 
 
 class Applier:
     """The one path from a log (the local log or Raft) into the state machine.
 
     Each entry's effects go to `sink` (the node driver; nothing while a log is
-    replayed at startup, before the driver runs). An `ApplyFailed` is logged
+    replayed at startup, before the driver runs), and the log says when it has
+    applied a batch (`batch_applied`). An `ApplyFailed` is logged
     once with what to do, `on_fatal` is told (the server stops), and the
     error goes on up: the log that applied it refuses everything after.
     """
@@ -308,11 +328,11 @@ class Applier:
     def __init__(
         self,
         state: StateMachine,
-        sink: EffectsSink = _ignore_effects,
+        sink: EffectsSink | None = None,
         on_fatal: Callable[[ApplyFailed], None] | None = None,
     ) -> None:
         self.state = state
-        self.sink = sink
+        self.sink: EffectsSink = sink if sink is not None else _NoSink()
         self.on_fatal = on_fatal
 
     def apply(self, index: int, command: internal_pb2.Command) -> ApplyResult:
@@ -331,5 +351,9 @@ class Applier:
                     self.on_fatal(e)
             raise
         if effects is not NO_EFFECTS:
-            self.sink(effects)
+            self.sink.applied(effects)
         return result
+
+    def batch_applied(self) -> None:
+        """The log applied a batch of entries (see `EffectsSink.batch_applied`)."""
+        self.sink.batch_applied()

@@ -127,7 +127,7 @@ class Server:
         self.timers = Timers(time.monotonic)
         self.expiry = ExpiryClock(self.timers.clock)
         self.driver = NodeDriver(self.timers)
-        self.applier = Applier(self.state, self.driver.applied, self._apply_failed)
+        self.applier = Applier(self.state, self.driver, self._apply_failed)
         self.failed: ApplyFailed | None = None
         self.fatal = asyncio.Event()
         """Set when the server must stop on its own (a failed apply)."""
@@ -277,8 +277,14 @@ class Server:
             dispatching_node=self._dispatching_node if clustered else None,
         )
         cqs_view = CqsWatchConsumers(
-            self.state.cqs, store_of, propose, self._spawn, cfg.cqs_visibility_timeout
+            self.state.cqs,
+            store_of,
+            propose,
+            self._spawn,
+            cfg.cqs_visibility_timeout,
+            self.timers.clock,
         )
+        self.cqs_view = cqs_view
         self.consumers = ConsumerDirectory(
             self.state.router,
             self.state.queues,
@@ -401,6 +407,7 @@ class Server:
         timers = self.timers
         timers.add("queue-acks", AckPolicy(self.delivery, self.consumers.drop))
         timers.add("lease-expiry", ExpiryPolicy(self.expiry, self._revoke_expired, self._spawn))
+        timers.add("cqs-visibility", self.cqs_view)
         hub = self.watch_hub
         timers.add(
             "watch-progress",

@@ -277,6 +277,7 @@ class CqsState:
     _subscribers: dict[str, list[tuple[CqsQueue, str]]] = field(default_factory=dict)
     _checked: dict[tuple[str | None, bytes], Published] = field(default_factory=dict)
     _changed_names: set[str] = field(default_factory=set)
+    _reindexed_names: frozenset[bytes] = frozenset()  # the queue names, as key bytes
 
     def _changed(self, name: str) -> None:
         self._changed_names.add(name)
@@ -293,7 +294,7 @@ class CqsState:
         return q
 
     def is_cqs(self, name: bytes) -> bool:
-        return name.decode(errors="replace") in self.queues
+        return name in self._reindexed_names
 
     # -- configuration (follows /q/{name}/config) ---------------------------------
 
@@ -325,6 +326,7 @@ class CqsState:
         self._changed(name)
 
     def _reindex(self) -> None:
+        self._reindexed_names = frozenset(name.encode() for name in self.queues)
         index: dict[str, list[tuple[CqsQueue, str]]] = {}
         for q in self.queues.values():
             for dto_type, alias in q.subscriptions:

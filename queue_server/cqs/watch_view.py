@@ -12,13 +12,15 @@ What belongs here (node-local, nothing replicated): the consumers of each queue
 and the tokens each holds. A consumer holds at most its queue's `prefetch`
 deliveries; more are taken by proposing a `CqsDequeue` for it, one proposal per
 queue at a time. A consumer that goes away gives what it holds back at once
-(`CqsSettle` with `release`).
+(`CqsSettle` with `release`). A queue whose next notification becomes visible
+later is looked at again then: this is the node driver's visibility policy
+(`due(now)`, on the node's clock).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +35,9 @@ from queue_server.mvcc.store import MVCCStore
 from queue_server.watch.hub import Watcher
 
 log = logging.getLogger(__name__)
+
+VISIBILITY_CHECK_SECONDS = 0.05
+"""How often queues waiting for a notification to become visible are looked at."""
 
 Propose = Callable[[internal_pb2.Command], Awaitable[object]]
 Spawn = Callable[[Coroutine[Any, Any, None]], object]
@@ -62,7 +67,9 @@ class CqsWatchConsumers:
         propose: Propose,
         spawn: Spawn,
         visibility_timeout: float,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.clock = clock
         self.cqs = cqs
         self._store_of = store_of
         self.propose = propose
@@ -72,7 +79,7 @@ class CqsWatchConsumers:
         self.by_watcher: dict[Watcher, ViewConsumer] = {}
         self._pumping: set[str] = set()
         self._again: set[str] = set()
-        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._wake: dict[str, float] = {}  # queue -> when to look again (clock())
 
     def register(self, watcher: Watcher, queue: str, consumer_id: bytes) -> None:
         c = ViewConsumer(consumer_id, queue, watcher)
@@ -175,12 +182,20 @@ class CqsWatchConsumers:
         c.watcher.stream.push(response, size)
 
     def _wake_at(self, queue: str, delay_ms: float) -> None:
-        if queue in self._timers:
+        """Look at the queue again once `delay_ms` have passed (a notification
+        becomes visible then)."""
+        if queue not in self._wake:
+            self._wake[queue] = self.clock() + max(0.0, delay_ms) / 1000 + 0.001
+
+    # -- the timer policy of the node driver: visibility timeouts --------------
+
+    interval = VISIBILITY_CHECK_SECONDS
+
+    def due(self, now: float) -> None:
+        """Queues whose next notification has become visible get a delivery."""
+        if not self._wake:
             return
-        loop = asyncio.get_running_loop()
-
-        def wake() -> None:
-            self._timers.pop(queue, None)
+        ready = [queue for queue, at in self._wake.items() if at <= now]
+        for queue in ready:
+            del self._wake[queue]
             self.on_change(queue)
-
-        self._timers[queue] = loop.call_later(max(0, delay_ms) / 1000 + 0.001, wake)

@@ -29,7 +29,7 @@ _PRODUCE = {SHORT: b"p", LONG: b"producer"}
 _CONSUME = {SHORT: b"c", LONG: b"consumer"}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class QueueKey:
     """A parsed queue key. `kind` is produce, consume, message, delivery, config
     or registry; fields not used by a kind are empty/zero."""

@@ -88,6 +88,9 @@ class KeyspaceRouter:
         # keys parsed in this request (check then write), and message keys made
         # by produces (their events follow): each key is parsed once
         self._parsed: dict[bytes, QueueKey | None] = {}
+        # the product owning each queue, within one command (a config change
+        # may move a queue between products: it clears this)
+        self._owners: dict[tuple[bytes, bytes], QueuePlugin] = {}
 
     # -- parsing --------------------------------------------------------------
 
@@ -102,10 +105,21 @@ class KeyspaceRouter:
         return qk
 
     def owner(self, qk: QueueKey) -> QueuePlugin:
+        ident = (qk.spelling, qk.name)
+        found = self._owners.get(ident)
+        if found is not None:
+            return found
         for plugin in self.plugins:
             if plugin.claims(qk):
+                self._owners[ident] = plugin
                 return plugin
         raise AssertionError(f"no product claims queue {qk.name!r}")  # the last claims all
+
+    def forget(self) -> None:
+        """The products' state was replaced (a snapshot restore): drop what was
+        remembered of it."""
+        self._owners.clear()
+        self._parsed.clear()
 
     def consumer_key(self, key: bytes) -> QueueKey | None:
         """The parsed key if a watch on exactly `key` is a queue consumer."""
@@ -117,6 +131,7 @@ class KeyspaceRouter:
     def begin_command(self, now_ms: int) -> None:
         """A log command starts; `now_ms` is its proposer's clock (0: none)."""
         self.now_ms = now_ms
+        self._owners.clear()
 
     def begin_request(self) -> None:
         self._parsed.clear()
@@ -170,6 +185,7 @@ class KeyspaceRouter:
             if qk is None:
                 continue
             if qk.kind == "config":
+                self._owners.clear()
                 config: Mapping[str, object] | None = None
                 if not e.is_delete:
                     config = parse_config(e.kv.value, self.config_fields)

@@ -199,14 +199,16 @@ class KVExecutor:
             self.hooks.begin_request()
             self._check_put(r, lease_first=True)
             with self.store.write() as t:
-                return self._put(r, t)
-        return self._put(r, txn)
+                return self._put(r, t, rpc_pb2.PutResponse())
+        return self._put(r, txn, rpc_pb2.PutResponse())
 
-    def _put(self, r: rpc_pb2.PutRequest, txn: WriteTxn) -> rpc_pb2.PutResponse:
+    def _put(
+        self, r: rpc_pb2.PutRequest, txn: WriteTxn, resp: rpc_pb2.PutResponse
+    ) -> rpc_pb2.PutResponse:
+        """Run the put, filling `resp` (a new message, or a Txn's own slot)."""
         value, lease = r.value, r.lease
         key = self.hooks.route_put(r.key, r.value)
         if key is None:  # consumed by the hook (a CQS publication): no key written
-            resp = rpc_pb2.PutResponse()
             resp.header.revision = txn.read_revision
             return resp
         prev: KeyValue | None = None
@@ -219,7 +221,6 @@ class KVExecutor:
             if r.ignore_lease:
                 lease = prev.lease
         txn.put(key, value, lease)
-        resp = rpc_pb2.PutResponse()
         resp.header.revision = txn.revision
         if r.prev_kv and prev is not None:
             fill_kv(resp.prev_kv, prev)
@@ -233,22 +234,23 @@ class KVExecutor:
         if txn is None:
             self.hooks.begin_request()
             with self.store.write() as t:
-                return self._delete_range(r, t)
-        return self._delete_range(r, txn)
+                return self._delete_range(r, t, rpc_pb2.DeleteRangeResponse())
+        return self._delete_range(r, txn, rpc_pb2.DeleteRangeResponse())
 
     def _delete_range(
-        self, r: rpc_pb2.DeleteRangeRequest, txn: WriteTxn
+        self, r: rpc_pb2.DeleteRangeRequest, txn: WriteTxn, resp: rpc_pb2.DeleteRangeResponse
     ) -> rpc_pb2.DeleteRangeResponse:
+        """Run the delete, filling `resp` (a new message, or a Txn's own slot)."""
         if r.range_end:
             events = txn.delete_range(r.key, range_end_of(r.range_end))
         else:
             routed = self.hooks.route_delete(r.key)
             if isinstance(routed, int):  # settled deliveries that are not keys (CQS)
-                resp = rpc_pb2.DeleteRangeResponse(deleted=routed)
+                resp.deleted = routed
                 resp.header.revision = txn.read_revision
                 return resp
             events = txn.delete_range(routed, None)
-        resp = rpc_pb2.DeleteRangeResponse(deleted=len(events))
+        resp.deleted = len(events)
         resp.header.revision = txn.read_revision
         if r.prev_kv:
             add = resp.prev_kvs.add
@@ -263,8 +265,7 @@ class KVExecutor:
         """Evaluate the compares, check the chosen branch, then run it at one
         revision. Raises (changing nothing) if the chosen branch would fail."""
         path = self._compare_path(r)
-        write = not is_read_only(r)
-        if write:
+        if not is_read_only(r):  # etcd checks every put first, then every range
             self.hooks.begin_request()
             self._check_branch(r, path, self._check_put_op)
         self._check_branch(r, path, self._check_range_op)
@@ -354,9 +355,9 @@ class KVExecutor:
             if kind == "request_range":
                 out.response_range.CopyFrom(self.range(op.request_range, txn))
             elif kind == "request_put":
-                out.response_put.CopyFrom(self._put(op.request_put, txn))
+                self._put(op.request_put, txn, out.response_put)
             elif kind == "request_delete_range":
-                out.response_delete_range.CopyFrom(self._delete_range(op.request_delete_range, txn))
+                self._delete_range(op.request_delete_range, txn, out.response_delete_range)
             elif kind == "request_txn":
                 # etcd gives every nested TxnResponse an empty header (its
                 # newTxnResp); Go clients read .Header without a nil check.

@@ -109,17 +109,27 @@ def _check_intervals(ops: Sequence[rpc_pb2.RequestOp]) -> tuple[set[bytes], _Del
     """Refuse a branch whose puts overlap each other or its deletes (nested txns
     included); returns the branch's puts and deletes for the level above."""
     dels = _Deletes()
-    for op in ops:
-        if op.WhichOneof("request") == "request_delete_range":
+    put_keys: list[bytes] = []
+    nested: list[rpc_pb2.TxnRequest] = []
+    for op in ops:  # one pass: WhichOneof and the field reads are what cost here
+        kind = op.WhichOneof("request")
+        if kind == "request_put":
+            put_keys.append(op.request_put.key)
+        elif kind == "request_delete_range":
             d = op.request_delete_range
             dels.add(d.key, d.range_end)
+        elif kind == "request_txn":
+            nested.append(op.request_txn)
+    if not nested and not dels.intervals:  # the common case: puts alone
+        puts = set(put_keys)
+        if len(puts) != len(put_keys):
+            raise DuplicateKey()
+        return puts, dels
 
-    puts: set[bytes] = set()
-    for op in ops:
-        if op.WhichOneof("request") != "request_txn":
-            continue
-        puts_then, dels_then = _check_intervals(op.request_txn.success)
-        puts_else, dels_else = _check_intervals(op.request_txn.failure)
+    puts = set()
+    for txn in nested:
+        puts_then, dels_then = _check_intervals(txn.success)
+        puts_else, dels_else = _check_intervals(txn.failure)
         for k in puts_then:
             if k in puts or dels.contains(k):
                 raise DuplicateKey()
@@ -132,10 +142,7 @@ def _check_intervals(ops: Sequence[rpc_pb2.RequestOp]) -> tuple[set[bytes], _Del
         dels.union(dels_then)
         dels.union(dels_else)
 
-    for op in ops:
-        if op.WhichOneof("request") != "request_put":
-            continue
-        k = op.request_put.key
+    for k in put_keys:
         if k in puts or dels.contains(k):
             raise DuplicateKey()
         puts.add(k)

@@ -31,7 +31,7 @@ from typing import Any
 from etcdserverpb import internal_pb2, kv_pb2, rpc_pb2
 from queue_server.keyspace import grammar as keys
 from queue_server.mq.state import Assignment, QueueInfo, QueueState
-from queue_server.mvcc.store import Event, MVCCStore
+from queue_server.mvcc.store import MVCCStore
 from queue_server.watch.hub import Watcher
 
 log = logging.getLogger(__name__)
@@ -165,23 +165,18 @@ class Delivery:
 
     # -- effects of apply --------------------------------------------------------
 
-    def on_commit(self, revision: int, events: list[Event]) -> None:
+    def on_messages(self, changes: list[tuple[bytes, int, bool]]) -> None:
         """Note when messages were produced (the age of the oldest pending one is
-        a metric)."""
-        now: float | None = None
-        for e in events:
-            key = e.kv.key
-            if not key.startswith(keys.PREFIXES):
-                continue
-            qk = keys.parse(key)
-            if qk is None or qk.kind != "message":
-                continue
-            if e.is_delete:
-                self.first_seen.get(qk.name, {}).pop(qk.idx, None)
-            elif e.prev_kv is None:
-                if now is None:
-                    now = self.clock()
-                self.first_seen.setdefault(qk.name, {})[qk.idx] = now
+        a metric): (queue, idx, produced?) from a command's effects."""
+        now = self.clock()
+        seen = self.first_seen
+        for name, idx, produced in changes:
+            if produced:
+                seen.setdefault(name, {})[idx] = now
+            else:
+                of_queue = seen.get(name)
+                if of_queue is not None:
+                    of_queue.pop(idx, None)
 
     def oldest_pending_age(self, q: QueueInfo, now: float) -> float:
         """Seconds since the oldest pending message was produced (0: none pending;
@@ -201,11 +196,18 @@ class Delivery:
             return  # its registry key is being deleted; the messages come back
         consumer = watches[-1]
         q = self.queues.queues[a.queue]
+        slot = q.consumers.get(a.consumer)
+        if slot is None or slot.node != self.node_name:
+            return  # it left, or moved, later in the same batch
+        held = slot.held
+        items = [item for item in a.items if item[0] in held]
+        if not items:
+            return
         deadline = q.settings.ack_deadline
         lease_ids: list[int] = []
         if deadline:
             now = self.clock()
-            for idx, _key in a.items:
+            for idx, _key in items:
                 consumer.deadlines[idx] = now + deadline
                 lease_id = 0
                 if self.new_lease_id is not None:
@@ -219,7 +221,7 @@ class Delivery:
         handover = None
         if self.dispatching_node() != self.node_name:
             handover = keys.consumer_key(q.spelling, q.name, a.consumer) + b"/"
-        self._push(consumer, self._store_of(), a.items, lease_ids, handover)
+        self._push(consumer, self._store_of(), items, lease_ids, handover)
 
     def _push(
         self,

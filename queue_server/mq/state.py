@@ -95,7 +95,7 @@ class QueueSettings:
         return s
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Assignment:
     """Messages the state machine handed to one consumer in one command: the
     node hosting the consumer's watch delivers them."""
@@ -167,6 +167,7 @@ class QueueState:
         self._dirty: set[QueueInfo] = set()
         self._to_dead: list[tuple[QueueInfo, int]] = []
         self._assigned: list[Assignment] = []
+        self._messages: list[tuple[bytes, int, bool]] = []
 
     def _queue(self, name: bytes, spelling: bytes) -> QueueInfo:
         """The queue, created on first use with the spelling it was first used with."""
@@ -178,6 +179,14 @@ class QueueState:
     def take_assignments(self) -> list[Assignment]:
         """What the last command handed out (and forget it)."""
         out, self._assigned = self._assigned, []
+        return out
+
+    def take_messages(self) -> list[tuple[bytes, int, bool]]:
+        """(queue, idx, True) for each message the last command produced and
+        (queue, idx, False) for each it removed (and forget them)."""
+        if not self._messages:
+            return []
+        out, self._messages = self._messages, []
         return out
 
     # -- the plugin hooks (inside KV apply) ---------------------------------------
@@ -232,6 +241,7 @@ class QueueState:
         if kind == "message":
             q = self._queue(qk.name, qk.spelling)
             if e.is_delete:
+                self._messages.append((qk.name, qk.idx, False))
                 q.attempts.pop(qk.idx, None)
                 if q.pending.pop(qk.idx, None) is None:
                     slot = q.holder.pop(qk.idx, None)
@@ -240,6 +250,7 @@ class QueueState:
                         slot.held.pop(qk.idx, None)
                         self._dirty.add(q)  # room in its prefetch window
             elif e.prev_kv is None:
+                self._messages.append((qk.name, qk.idx, True))
                 q.next_idx = max(q.next_idx, qk.idx + 1)
                 q.pending[qk.idx] = e.kv.key
                 self._dirty.add(q)

@@ -44,9 +44,11 @@ from sortedcontainers import SortedDict
 from queue_server.errors import Compacted, FutureRevision
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class KeyValue:
-    """One version of a key, as etcd's mvccpb.KeyValue describes it."""
+    """One version of a key, as etcd's mvccpb.KeyValue describes it. Never
+    changed once made (not frozen only because a frozen dataclass costs six
+    times as much to create, and the store makes one per write)."""
 
     key: bytes
     create_revision: int
@@ -125,7 +127,7 @@ class KeyHistory:
         return out
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class Event:
     """One change made by a write transaction, for watchers: a put or a delete.
 

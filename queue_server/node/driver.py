@@ -4,10 +4,13 @@ The state machine only records what a command changed (`apply.Effects`); the
 log hands each command's effects here (through `apply.Applier`), and the driver
 gives each part its share, in this order:
 
-1. committed events to the watch hub (key watchers), the consumer directory
-   (registry keys deleted under a live consumer) and the delivery table (when
-   messages were first seen);
-2. queue assignments to the delivery of the node hosting each consumer;
+1. committed events to the watch hub (key watchers) and the consumer directory
+   (registry keys deleted under a live consumer); produced and removed queue
+   messages to the delivery table (when each was first seen);
+2. queue assignments to the delivery of the node hosting each consumer: held
+   until the log has applied its batch (`batch_applied`), so a consumer gets
+   what one group commit assigned it in as few WatchResponses as its window
+   allows;
 3. CQS queues changed to the long-poll waiters and the CQS watch view;
 4. leases granted and revoked to the expiry clock.
 
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from queue_server.apply import Effects
 from queue_server.lease.expiry import ExpiryClock
 from queue_server.mq.delivery import Delivery
+from queue_server.mq.state import Assignment
 from queue_server.mvcc.store import Event
 from queue_server.node.consumers import ConsumerDirectory
 from queue_server.node.timers import Timers
@@ -48,15 +52,13 @@ class NodeDriver:
         self.timers = timers
         self._parts: NodeParts | None = None
         self._commit_listeners: tuple[Callable[[int, list[Event]], None], ...] = ()
+        # assignments of the batch being applied, merged per (queue, consumer)
+        self._assigned: dict[tuple[bytes, bytes], Assignment] = {}
 
     def start(self, parts: NodeParts) -> None:
         """The parts are built: effects reach them from now on."""
         self._parts = parts
-        self._commit_listeners = (
-            parts.hub.on_commit,
-            parts.consumers.on_commit,
-            parts.delivery.on_commit,
-        )
+        self._commit_listeners = (parts.hub.on_commit, parts.consumers.on_commit)
 
     def applied(self, effects: Effects) -> None:
         parts = self._parts
@@ -66,10 +68,19 @@ class NodeDriver:
         for revision, events in effects.commits:
             for listener in listeners:
                 listener(revision, events)
+        if effects.queue_messages:
+            parts.delivery.on_messages(effects.queue_messages)
         if effects.assignments:
-            deliver = parts.delivery.deliver
-            for assignment in effects.assignments:
-                deliver(assignment)
+            waiting = self._assigned
+            for a in effects.assignments:
+                held = waiting.get((a.queue, a.consumer))
+                if held is None:
+                    waiting[(a.queue, a.consumer)] = Assignment(
+                        a.queue, a.consumer, a.node, a.items
+                    )
+                else:
+                    held.node = a.node
+                    held.items = held.items + a.items
         for name in effects.cqs_changed:
             for notify in parts.cqs_listeners:
                 notify(name)
@@ -78,3 +89,12 @@ class NodeDriver:
             expiry.granted(lease_id, ttl)
         for lease_id in effects.leases_revoked:
             expiry.revoked(lease_id)
+
+    def batch_applied(self) -> None:
+        parts = self._parts
+        if parts is None or not self._assigned:
+            return
+        waiting, self._assigned = self._assigned, {}
+        deliver = parts.delivery.deliver
+        for assignment in waiting.values():
+            deliver(assignment)

@@ -246,6 +246,7 @@ class LocalLog:
                         return
                     if not p.future.done():
                         p.future.set_result(result)
+                self.applier.batch_applied()
                 if self.state_machine.applied_index >= self._next_snapshot_at:
                     try:
                         await self._snapshot()

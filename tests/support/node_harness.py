@@ -54,7 +54,18 @@ class MemoryLog:
     async def propose(self, command: Command) -> ApplyResult:
         await asyncio.sleep(0)  # as a real log: other proposals may come first
         self.entries.append(command.SerializeToString())
-        return self.applier.apply(len(self.entries), command)
+        result = self.applier.apply(len(self.entries), command)
+        self.applier.batch_applied()  # a batch of one
+        return result
+
+    def apply_batch(self, commands: list[Command]) -> list[ApplyResult]:
+        """Append and apply several commands as one batch (one group commit)."""
+        results = []
+        for command in commands:
+            self.entries.append(command.SerializeToString())
+            results.append(self.applier.apply(len(self.entries), command))
+        self.applier.batch_applied()
+        return results
 
     @property
     def last_index(self) -> int:
@@ -73,7 +84,7 @@ class Node:
         self.timers = Timers(self.clock)
         self.driver = NodeDriver(self.timers)
         self.effects: list[Effects] = []
-        self.applier = Applier(self.state, self._applied)
+        self.applier = Applier(self.state, self)
         self.log = MemoryLog(self.applier)
         self.tasks: set[asyncio.Task[None]] = set()
         self.expiry = ExpiryClock(self.clock)
@@ -88,7 +99,7 @@ class Node:
             new_lease_id=self.new_lease_id,
         )
         self.cqs_view = CqsWatchConsumers(
-            self.state.cqs, self.store_of, self.log.propose, self.spawn, 60.0
+            self.state.cqs, self.store_of, self.log.propose, self.spawn, 60.0, self.clock
         )
         self.consumers = ConsumerDirectory(
             self.state.router,
@@ -109,10 +120,15 @@ class Node:
         self.revoked: list[int] = []
         self.timers.add("queue-acks", AckPolicy(self.delivery, self.consumers.drop))
         self.timers.add("lease-expiry", ExpiryPolicy(self.expiry, self._revoke, self.spawn))
+        self.timers.add("cqs-visibility", self.cqs_view)
 
-    def _applied(self, effects: Effects) -> None:
+    def applied(self, effects: Effects) -> None:
+        """The applier's sink: recorded, then the driver's."""
         self.effects.append(effects)
         self.driver.applied(effects)
+
+    def batch_applied(self) -> None:
+        self.driver.batch_applied()
 
     def store_of(self) -> MVCCStore:
         return self.state.store

@@ -50,6 +50,35 @@ async def test_a_deleted_registry_key_of_a_live_consumer_is_written_again() -> N
     assert node.state.store.get(key) is not None
 
 
+async def test_what_one_batch_assigns_a_consumer_goes_in_one_response() -> None:
+    node = Node()
+    cid, key = consumer_key(b"batch")
+    stream = node.watch(key)
+    await node.settle()
+    drain(stream)
+    produce = [
+        internal_pb2.Command(put=rpc_pb2.PutRequest(key=b"/q/batch/p/m%d" % i, value=b"x"))
+        for i in range(5)
+    ]
+    node.log.apply_batch(produce[:3])
+    node.log.apply_batch(produce[3:])
+    responses = drain(stream)
+    assert [[e.kv.key.rsplit(b"/", 1)[1] for e in r.events] for r in responses] == [
+        [b"m0", b"m1", b"m2"],
+        [b"m3", b"m4"],
+    ]
+    # one acknowledged and one produced in the same batch: only the new one is sent
+    first = responses[0].events[0].kv.key
+    node.log.apply_batch(
+        [
+            internal_pb2.Command(delete_range=rpc_pb2.DeleteRangeRequest(key=first)),
+            internal_pb2.Command(put=rpc_pb2.PutRequest(key=b"/q/batch/p/m5", value=b"x")),
+        ]
+    )
+    assert [k.rsplit(b"/", 1)[1] for k in delivered_keys(stream)] == [b"m5"]
+    assert len(node.state.queues.queues[b"batch"].consumers[cid].held) == 5
+
+
 async def test_delivery_past_its_ack_deadline_comes_back() -> None:
     node = Node()
     await node.put(b"/q/slow/config", json.dumps({"ack_deadline": 2}).encode())
