@@ -153,9 +153,11 @@ class Delivery:
         command.queue_requeue.queue = name
         command.queue_requeue.consumer = consumer_id
         command.queue_requeue.idx.extend(sorted(idxs))
-        self.spawn(self._propose_quietly(command))
+        self.spawn(self.propose_quietly(command))
 
-    async def _propose_quietly(self, command: internal_pb2.Command) -> None:
+    async def propose_quietly(self, command: internal_pb2.Command) -> None:
+        """Propose a bookkeeping write whose failure is only logged: a later
+        event (a restart, a session expiry, the next deadline) redoes it."""
         try:
             result = await self.propose(command)
         except Exception as e:

@@ -173,7 +173,7 @@ class ConsumerDirectory:
         kv = self._store_of().get(key)
         if kv is None or kv.value != dispatching:
             self.spawn(
-                self._propose_quietly(
+                self.delivery.propose_quietly(
                     internal_pb2.Command(put=rpc_pb2.PutRequest(key=key, value=dispatching))
                 )
             )
@@ -227,12 +227,4 @@ class ConsumerDirectory:
         compare.result = rpc_pb2.Compare.EQUAL
         compare.value = self.node_name
         txn.success.add().request_delete_range.key = key
-        self.spawn(self._propose_quietly(internal_pb2.Command(txn=txn)))
-
-    async def _propose_quietly(self, command: internal_pb2.Command) -> None:
-        try:
-            result = await self.propose(command)
-        except Exception as e:
-            result = e
-        if isinstance(result, Exception):  # a later event (a restart, a session expiry) redoes it
-            log.warning("queue bookkeeping write failed error=%s", result)
+        self.spawn(self.delivery.propose_quietly(internal_pb2.Command(txn=txn)))
