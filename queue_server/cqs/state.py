@@ -28,8 +28,9 @@ points `dto:{type}`; a single-key delete of a delivery key `/q/{queue}/{seq}/
 
 from __future__ import annotations
 
+import heapq
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -250,6 +251,10 @@ def check_split_item(item: cqs_pb2.SplitItem) -> None:
         raise InvalidNotification("cqs: split item has neither dto_id nor parent_id")
 
 
+def _seq(row: tuple[int, Record, bool]) -> int:
+    return row[0]
+
+
 def notification_of(record: Record) -> cqs_pb2.DtoChangeNotification:
     n = cqs_pb2.DtoChangeNotification(
         ack_token=record.token,
@@ -460,13 +465,17 @@ class CqsState:
 
     # -- the etcd view of the queues -----------------------------------------------
 
-    def view_range(self, key: bytes, end: bytes | None, revision: int) -> list[KeyValue]:
+    def view_range(
+        self, key: bytes, end: bytes | None, revision: int, limit: int = 0
+    ) -> tuple[list[KeyValue], int]:
         """The notifications of CQS queues inside [key, end) (`end` None: the key
         alone; b"": no upper bound), as keys `/q/{queue}/{seq}/pending` (pending)
         and `/q/{queue}/{seq}/{ack_token}` (in flight) with the notification as
-        JSON, in key order. They exist only now: every key carries the current
-        revision. O(n log n) in the queue's size: an inspection view, not a way
-        to consume."""
+        JSON: the first `limit` of them in key order (0: all; -1: none), and how
+        many there are. They exist only now: every key carries the current
+        revision. Counting walks the queue once; only the keys returned are
+        sorted and encoded, so a limited Range of a large queue stays cheap (an
+        inspection view, not a way to consume)."""
 
         def inside(k: bytes) -> bool:
             if end is None:
@@ -474,6 +483,7 @@ class CqsState:
             return key <= k and (end == b"" or k < end)
 
         out: list[KeyValue] = []
+        count = 0
         for name, q in self.queues.items():
             prefix = b"/q/" + name.encode() + b"/"
             upper = prefix[:-1] + b"0"  # every key under the prefix sorts below this
@@ -482,24 +492,41 @@ class CqsState:
                     continue
             elif key >= upper or (end != b"" and end <= prefix):
                 continue
-            rows: list[tuple[int, Record, bool]] = [
-                (q.tree.seq_of(r), r, False) for r in q.tree.pending()
-            ]
-            rows.extend((q.tree.seq_of(r), r, True) for r, _ in q.tree.in_flight_records())
-            rows.sort(key=lambda row: row[0])
             queue = name.encode()
-            for seq, r, held in rows:
-                k = keys.message_key(
-                    keys.SHORT, queue, seq, r.token.encode() if held else b"pending"
-                )
-                if not inside(k):
-                    continue
+            tree = q.tree
+
+            def rows(tree: SlaQueue = tree) -> Iterator[tuple[int, Record, bool]]:
+                for r in tree.pending():
+                    yield tree.seq_of(r), r, False
+                for r, _ in tree.in_flight_records():
+                    yield tree.seq_of(r), r, True
+
+            def key_of(seq: int, r: Record, held: bool, queue: bytes = queue) -> bytes:
+                token = r.token.encode() if held else b"pending"
+                return keys.message_key(keys.SHORT, queue, seq, token)
+
+            whole = end is not None and key <= prefix and (end == b"" or end >= upper)
+            if whole:  # every key of the queue is inside: count without building keys
+                count += len(tree) + tree.in_flight
+                found: Iterable[tuple[int, Record, bool]] = rows()
+            else:
+                chosen = [row for row in rows() if inside(key_of(*row))]
+                count += len(chosen)
+                found = chosen
+            if limit < 0:
+                continue
+            ordered = (
+                heapq.nsmallest(limit, found, key=_seq) if limit > 0 else sorted(found, key=_seq)
+            )
+            for seq, r, held in ordered:
                 n = notification_of(r)
                 if not held:
                     n.ack_token = ""
                 value = json_format.MessageToJson(n, preserving_proto_field_name=True, indent=None)
-                out.append(KeyValue(k, revision, revision, 1, value.encode(), 0))
-        return out
+                out.append(KeyValue(key_of(seq, r, held), revision, revision, 1, value.encode(), 0))
+        if limit > 0 and len(out) > limit:
+            out = sorted(out, key=lambda kv: kv.key)[:limit]
+        return out, count
 
     # -- snapshots ----------------------------------------------------------------
 

@@ -69,8 +69,11 @@ class QueuePlugin(Protocol):
         """A committed change of one of this product's keys."""
         ...
 
-    def view_range(self, key: bytes, end: bytes | None, revision: int) -> list[KeyValue]:
-        """Keys of this product that live outside the store, inside [key, end)."""
+    def view_range(
+        self, key: bytes, end: bytes | None, revision: int, limit: int
+    ) -> tuple[list[KeyValue], int]:
+        """Keys of this product that live outside the store, inside [key, end):
+        the first `limit` in key order (0: all; -1: none) and their count."""
         ...
 
     def after_apply(self, store: MVCCStore) -> None:
@@ -169,11 +172,16 @@ class KeyspaceRouter:
             return key
         return self.owner(qk).delete(qk, key, self.now_ms)
 
-    def range_view(self, key: bytes, end: bytes | None, revision: int) -> list[KeyValue]:
+    def range_view(
+        self, key: bytes, end: bytes | None, revision: int, limit: int
+    ) -> tuple[list[KeyValue], int]:
         out: list[KeyValue] = []
+        count = 0
         for plugin in self.plugins:
-            out.extend(plugin.view_range(key, end, revision))
-        return out
+            shown, n = plugin.view_range(key, end, revision, limit)
+            out.extend(shown)
+            count += n
+        return out, count
 
     # -- following the store --------------------------------------------------
 

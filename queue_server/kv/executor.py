@@ -82,8 +82,11 @@ class KeyHooks(Protocol):
         its message), or how many deliveries it settled when it removes none."""
         ...
 
-    def range_view(self, key: bytes, end: bytes | None, revision: int) -> list[KeyValue]:
-        """Keys that live outside the store, added to a current Range."""
+    def range_view(
+        self, key: bytes, end: bytes | None, revision: int, limit: int
+    ) -> tuple[list[KeyValue], int]:
+        """Keys that live outside the store, added to a current Range: the first
+        `limit` in key order (0: all; -1: none, only counted), and their count."""
         ...
 
 
@@ -102,8 +105,10 @@ class PlainKeys:
     def route_delete(self, key: bytes) -> bytes | int:
         return key
 
-    def range_view(self, key: bytes, end: bytes | None, revision: int) -> list[KeyValue]:
-        return []
+    def range_view(
+        self, key: bytes, end: bytes | None, revision: int, limit: int
+    ) -> tuple[list[KeyValue], int]:
+        return [], 0
 
 
 class KVExecutor:
@@ -141,11 +146,14 @@ class KVExecutor:
         kvs = rr.kvs
         count = rr.count
         if not r.revision or r.revision == rr.revision:
-            shown = self.hooks.range_view(r.key, end, rr.revision)
-            if shown:  # keys that are not in the store (CQS notifications) join in
-                count += len(shown)
-                if not r.count_only:
-                    kvs = sorted([*kvs, *shown], key=lambda kv: kv.key)
+            # keys that are not in the store (CQS notifications) join in; the
+            # first `limit` of them are enough for the first `limit` of all
+            shown, shown_count = self.hooks.range_view(
+                r.key, end, rr.revision, -1 if r.count_only else limit
+            )
+            count += shown_count
+            if shown:
+                kvs = sorted([*kvs, *shown], key=lambda kv: kv.key)
         if r.max_mod_revision:
             kvs = [kv for kv in kvs if kv.mod_revision <= r.max_mod_revision]
         if r.min_mod_revision:

@@ -232,8 +232,10 @@ class QueueState:
         spelling = q.spelling if q is not None else qk.spelling
         return keys.message_key(spelling, qk.name, qk.idx, qk.key)
 
-    def view_range(self, key: bytes, end: bytes | None, revision: int) -> list[Any]:
-        return []  # every message is a key of the store
+    def view_range(
+        self, key: bytes, end: bytes | None, revision: int, limit: int
+    ) -> tuple[list[Any], int]:
+        return [], 0  # every message is a key of the store
 
     def follow(self, qk: QueueKey, e: Event) -> None:
         """Consumers and pending messages in step with committed changes."""

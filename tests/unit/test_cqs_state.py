@@ -842,6 +842,11 @@ def test_range_view_count_limit_count_only_and_single_keys(m: Machine) -> None:
         rpc_pb2.RangeRequest(key=expected[1].encode(), range_end=expected[4].encode())
     )
     assert [kv.key.decode() for kv in part.kvs] == expected[1:4] and part.count == 3
+    first = m.sm.read_range(
+        rpc_pb2.RangeRequest(key=expected[1].encode(), range_end=expected[4].encode(), limit=1)
+    )
+    assert [kv.key.decode() for kv in first.kvs] == [expected[1]]
+    assert first.count == 3 and first.more
     one = m.sm.read_range(rpc_pb2.RangeRequest(key=expected[3].encode()))
     assert [kv.key.decode() for kv in one.kvs] == [expected[3]] and one.count == 1
     assert json.loads(one.kvs[0].value)["ack_token"] == "a-4"
