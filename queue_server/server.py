@@ -198,6 +198,51 @@ class Server:
         except TLSError as e:
             raise StartupError(str(e)) from e
         term = self._take_data_dir()
+        member_id, cluster_members = await self._open_log()
+        assert self.log is not None
+        if isinstance(self.log, ClusterLog):
+            term = self.log.term  # the Raft term, not the restart count
+        header = HeaderFiller(
+            cluster_id=cluster_id_for(cluster_members),
+            member_id=member_id,
+            raft_term=term,
+            current_revision=lambda: self.state.store.revision,
+        )
+        self.header = header
+        membership = self._membership(member_id)
+        writes = QuotaGuard(self.log, self.state, cfg.quota_backend_bytes, member_id)
+        ids = LeaseIdGenerator(member_id)
+        self._build_node(ids)
+        table = self._method_table(header, membership, writes, ids)
+        self.metrics.watch_state(
+            StateCollector(
+                self.state,
+                lambda: self.delivery,
+                MetricsMembership(membership.leader_id, member_id, lambda: self._leader_changes),
+            )
+        )
+        await self._serve_clients(table)
+        if isinstance(self.log, ClusterLog):
+            self.expiry.forward_keep_alive = self._forward_keep_alive
+            self.log.on_restored = self._restored_from_leader
+            await self.log.start()
+        # What recovery loaded lives as long as the process: keep the collector
+        # from scanning it again and again.
+        gc.freeze()
+        self._tasks.append(asyncio.get_running_loop().create_task(self.timers.run()))
+        await self._serve_health(member_id, membership)
+        log.info(
+            "ready to serve client requests name=%s listen=%s data_dir=%s revision=%d term=%d",
+            cfg.name,
+            ",".join(cfg.listen_client_urls),
+            cfg.data_dir,
+            self.state.store.revision,
+            term,
+        )
+
+    async def _open_log(self) -> tuple[int, list[int]]:
+        """The local log or Raft, recovered; this member's id and the founders'."""
+        cfg = self.config
         member_id = member_id_for(cfg.initial_advertise_peer_urls, cfg.initial_cluster_token)
         cluster_members = [member_id]
         if cfg.clustered:
@@ -222,16 +267,10 @@ class Server:
             self.log.on_no_space = lambda: self._disk_full(member_id)
         # Every lease gets a full TTL from now, as after an etcd leader election.
         self._rearm_leases()
+        return member_id, cluster_members
 
-        if isinstance(self.log, ClusterLog):
-            term = self.log.term  # the Raft term, not the restart count
-        header = HeaderFiller(
-            cluster_id=cluster_id_for(cluster_members),
-            member_id=member_id,
-            raft_term=term,
-            current_revision=lambda: self.state.store.revision,
-        )
-        self.header = header
+    def _membership(self, member_id: int) -> Membership:
+        cfg = self.config
         me = MemberInfo(
             member_id, cfg.name, cfg.initial_advertise_peer_urls, cfg.advertise_client_urls
         )
@@ -243,7 +282,7 @@ class Server:
             if cfg.clustered
             else {}
         )
-        membership = Membership(
+        return Membership(
             self.state,
             me,
             cfg.initial_cluster_token,
@@ -252,15 +291,15 @@ class Server:
             self.peers,
             self._removed,
         )
-        observer = RpcObserver(self.metrics.registry, cfg.warning_apply_duration)
-        writes = QuotaGuard(self.log, self.state, cfg.quota_backend_bytes, member_id)
-        ids = LeaseIdGenerator(member_id)
+
+    def _build_node(self, ids: LeaseIdGenerator) -> None:
+        """The node-local parts, then the driver that feeds them what apply decides."""
+        cfg = self.config
+        assert self.log is not None
         lessor = self.state.lessor
         store_of = self._store_of
         propose = self.log.propose
         node_name = cfg.name.encode()
-
-        # The node-local parts, then the driver that feeds them what apply decides.
         if isinstance(self.log, ClusterLog):
             self.session = NodeSession(
                 propose, lessor, self.expiry, lambda: ids.next(lessor.leases)
@@ -313,7 +352,17 @@ class Server:
         self.consumers.rebuild()
         self._add_timer_policies()
 
-        # The services, their middleware, and the client ports.
+    def _method_table(
+        self,
+        header: HeaderFiller,
+        membership: Membership,
+        writes: QuotaGuard,
+        ids: LeaseIdGenerator,
+    ) -> MethodTable:
+        """Every service's methods, wrapped by the observer and the auth gate."""
+        cfg = self.config
+        assert self.log is not None
+        observer = RpcObserver(self.metrics.registry, cfg.warning_apply_duration)
         auth = AuthGate(self.state, SimpleTokens(self.state.auth, cfg.auth_token_ttl))
         recipes = LocalClient(self.state, writes, self.watch_hub)
         etcd = rpc_pb2.DESCRIPTOR.services_by_name
@@ -347,27 +396,16 @@ class Server:
                 ElectionService(recipes, header, ids),
             ),
         ]
-        self.metrics.watch_state(
-            StateCollector(
-                self.state,
-                lambda: self.delivery,
-                MetricsMembership(membership.leader_id, member_id, lambda: self._leader_changes),
-            )
-        )
         # Auth: every method that needs a permission is guarded by the gate's
         # middleware (queue_server/api/auth_gate.py).
-        table = MethodTable(
+        return MethodTable(
             m for descriptor, servicer in services for m in service_methods(descriptor, servicer)
         ).wrapped(observer.middleware, lambda method: guard(method, auth))
-        await self._serve_clients(table)
-        if isinstance(self.log, ClusterLog):
-            self.expiry.forward_keep_alive = self._forward_keep_alive
-            self.log.on_restored = self._restored_from_leader
-            await self.log.start()
-        # What recovery loaded lives as long as the process: keep the collector
-        # from scanning it again and again.
-        gc.freeze()
-        self._tasks.append(asyncio.get_running_loop().create_task(self.timers.run()))
+
+    async def _serve_health(self, member_id: int, membership: Membership) -> None:
+        """The --listen-metrics-urls listener: health, metrics, the dashboard."""
+        cfg = self.config
+        assert self.log is not None
         self.health = HealthListener(
             HealthChecker(
                 self.state.alarms,
@@ -388,14 +426,6 @@ class Server:
             await self.health.start(cfg.metrics_addresses())
         except ListenError as e:
             raise StartupError(str(e)) from e
-        log.info(
-            "ready to serve client requests name=%s listen=%s data_dir=%s revision=%d term=%d",
-            cfg.name,
-            ",".join(cfg.listen_client_urls),
-            cfg.data_dir,
-            self.state.store.revision,
-            term,
-        )
 
     def _store_of(self) -> MVCCStore:
         """The state machine's current store (a snapshot restore replaces it)."""
