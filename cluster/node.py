@@ -66,7 +66,7 @@ from cluster.raft.messages import (
 from cluster.storage import RaftStorage, StoredEntry, encode_entry, encode_hard_state
 from cluster.transport import PeerClients
 from etcdserverpb import internal_pb2
-from queue_server.apply import Applier, ApplyResult
+from queue_server.apply import Applier, ApplyFailed, ApplyResult
 from queue_server.errors import (
     EtcdError,
     RequestTimeout,
@@ -472,6 +472,8 @@ class ClusterLog:
 
     def _kick(self) -> None:
         """Run the Ready cycle soon (once, however many times it is kicked)."""
+        if self.state_machine.failed is not None:
+            return  # fail-stop: nothing more is written or applied
         if self._busy:
             self._again = True
             return
@@ -491,6 +493,11 @@ class ClusterLog:
                     self._after_advance()
                 if not self._again:
                     return
+        except ApplyFailed:  # the applier logged it and stops the server
+            self._closed = True
+            for _, fut in self._waiters.values():
+                if not fut.done():
+                    fut.set_exception(ServerStopped())
         except Exception:
             log.exception("raft ready cycle failed")
             raise

@@ -27,8 +27,6 @@ from queue_server.keyspace.config import QueueConfig, parse_config
 from queue_server.keyspace.grammar import QueueKey
 from queue_server.mvcc.store import Event, KeyValue, MVCCStore
 
-PREFIXES = grammar.PREFIXES
-
 
 class QueuePlugin(Protocol):
     """A product that owns queues of the keyspace (the etcd-key queue, CQS)."""
@@ -99,7 +97,7 @@ class KeyspaceRouter:
 
     def parse(self, key: bytes) -> QueueKey | None:
         """The queue meaning of `key` (None for an ordinary key)."""
-        if not key.startswith(PREFIXES):
+        if not key.startswith(grammar.PREFIXES):
             return None
         parsed = self._parsed
         if key in parsed:
@@ -126,7 +124,7 @@ class KeyspaceRouter:
 
     def consumer_key(self, key: bytes) -> QueueKey | None:
         """The parsed key if a watch on exactly `key` is a queue consumer."""
-        qk = grammar.parse(key) if key.startswith(PREFIXES) else None
+        qk = grammar.parse(key) if key.startswith(grammar.PREFIXES) else None
         return qk if qk is not None and qk.kind == "consume" else None
 
     # -- the KV executor's hooks ----------------------------------------------

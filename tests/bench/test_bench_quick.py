@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from benchmarks.results import Unavailable
 from benchmarks.runner import Progress, Runner, RunOptions
 from benchmarks.servers import BenchServer
 from benchmarks.workloads import Budget
+from tests.support import processes
 
 pytestmark = pytest.mark.bench
 
@@ -32,25 +32,7 @@ METRICS = ("ops_s", "p50_ms", "p99_ms", "p999_ms", "cpu_s", "rss_mb", "client_cp
 
 
 def run_harness(args: list[str]) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks", *args],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        # SIGTERM lets the harness stop the servers it started before it exits.
-        proc.send_signal(signal.SIGTERM)
-        try:
-            out, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        pytest.fail(f"harness did not finish in {TIMEOUT}s\n{err[-4000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return processes.run_harness("benchmarks", args, TIMEOUT)
 
 
 def test_quick_put_and_range(tmp_path: Path) -> None:

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support import processes
 from tests.support.processes import ServerProcess
 
 pytestmark = pytest.mark.bench
@@ -45,25 +44,7 @@ def driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_harness(args: list[str]) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.queue_tool", *args],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=HARNESS_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        # SIGTERM lets the harness stop the driver and the server it started (by pid).
-        proc.send_signal(signal.SIGTERM)
-        try:
-            out, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        pytest.fail(f"harness did not finish in {HARNESS_TIMEOUT}s\n{err[-4000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return processes.run_harness("benchmarks.queue_tool", args, HARNESS_TIMEOUT)
 
 
 def test_quick_mq_and_recipe_on_ours(driver: Path, tmp_path: Path) -> None:

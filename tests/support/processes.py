@@ -73,6 +73,30 @@ def run_cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.Co
     )
 
 
+def run_harness(module: str, args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """`python -m MODULE ARGS` (a benchmark harness) to its end, bounded: past
+    `timeout` it gets SIGTERM, so it stops the servers and drivers it started by
+    their pids, then SIGKILL; the test fails with the end of its stderr."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        raise AssertionError(f"{module} did not finish in {timeout}s\n{err[-4000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 class ServerProcess:
     """Our server, run as `python -m queue_server.cli` in its own process."""
 
