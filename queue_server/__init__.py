@@ -2,13 +2,13 @@
 
 Map of the package, top first. Imports point down this list, never up, and
 never sideways between names that share a line; `tests/unit/test_package_layers.py`
-reads this list and checks every import against it. `cluster/` (Raft, peers,
-membership) lives beside the package and sits where its line says.
+reads this list and checks every import against it. `raft/`, the Raft algorithm
+with no I/O, is a library beside the package and imports nothing from it.
 
 - `cli.py`      the `queue-server` command: flags -> Config -> Server, signals, exit status.
 - `server.py`   composition and lifecycle: builds the parts, hands them to the node
                 driver, binds the ports; graceful stop. With --initial-cluster it
-                puts `cluster.node.ClusterLog` (Raft) where the local log would be.
+                puts `replication.driver.ClusterLog` (Raft) where the local log would be.
 - `api/`        gRPC servicers, one module per etcd service (and `cqs.py` for the
                 Change Queue Service), written against `transport.methods.Call`:
                 validate, propose or read, translate errors (`api/errors.py`), fill
@@ -24,7 +24,8 @@ membership) lives beside the package and sits where its line says.
 - `recipes/`    server-side lock and election recipes (an in-process client).
 - `quota.py`    --quota-backend-bytes: the NOSPACE alarm before a write.
 - `compactor.py` auto-compaction policy (etcd's --auto-compaction-*).
-- `cluster/`    the Raft log of a cluster member, its peers and membership.
+- `replication/` a cluster member: the Raft member driver (`ClusterLog`), its raft
+                storage, the typed peer wire and membership.
 - `restore.py`  `queue-server restore`: a data dir from a snapshot file.
 - `storage/`    the single-node durable log (WAL + group commit), snapshots, recovery.
 - `node/`       the node driver: each applied command's effects to the parts that

@@ -55,3 +55,18 @@ ServerStopped = _error("ServerStopped", "UNAVAILABLE", "etcdserver: server stopp
 RequestTimeout = _error("RequestTimeout", "UNAVAILABLE", "etcdserver: request timed out")
 MemberNotFound = _error("MemberNotFound", "NOT_FOUND", "etcdserver: member not found")
 NotCapable = _error("NotCapable", "UNAVAILABLE", "etcdserver: not capable")
+NoLeader = _error("NoLeader", "UNAVAILABLE", "etcdserver: no leader")
+LeaderChanged = _error("LeaderChanged", "UNAVAILABLE", "etcdserver: leader changed")
+PeerURLExists = _error(
+    "PeerURLExists", "FAILED_PRECONDITION", "etcdserver: Peer URLs already exists"
+)
+LearnerNotSupported = _error(
+    "LearnerNotSupported",
+    "INVALID_ARGUMENT",
+    "etcdserver: learner members are not supported by this server",
+)
+NotClustered = _error(
+    "NotClustered",
+    "FAILED_PRECONDITION",
+    "etcdserver: membership changes need a member started with --initial-cluster",
+)

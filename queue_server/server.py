@@ -23,9 +23,6 @@ from typing import Any
 from google.protobuf.descriptor import ServiceDescriptor
 from grpc import aio
 
-from cluster.membership import MemberInfo, Membership, member_id_for
-from cluster.node import ClusterLog
-from cluster.transport import PeerClients, peer_handler
 from etcdserverpb import (
     cqs_pb2,
     internal_pb2,
@@ -67,6 +64,9 @@ from queue_server.node.driver import NodeDriver, NodeParts
 from queue_server.node.timers import Every, Timers
 from queue_server.quota import QuotaGuard
 from queue_server.recipes.local_client import LocalClient
+from queue_server.replication.driver import ClusterLog
+from queue_server.replication.membership import MemberInfo, Membership, member_id_for
+from queue_server.replication.peer_transport import PeerClients, peer_handler
 from queue_server.storage.local_log import LocalLog
 from queue_server.storage.snapshot import CorruptSnapshotError
 from queue_server.storage.wal import WALCorruptError, WALGapError

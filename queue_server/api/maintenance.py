@@ -13,13 +13,13 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
-from cluster.membership import Membership
 from etcdserverpb import internal_pb2, rpc_pb2, rpc_pb2_grpc
 from queue_server.alarms import alarm_name
 from queue_server.api.errors import abort
 from queue_server.api.header import HeaderFiller
 from queue_server.apply import Proposer, StateMachine
 from queue_server.errors import EtcdError
+from queue_server.replication.membership import Membership
 from queue_server.storage import snapshot
 from queue_server.transport.methods import Call
 
@@ -140,7 +140,7 @@ class MaintenanceService(rpc_pb2_grpc.MaintenanceServicer):
 
 
 class ClusterService(rpc_pb2_grpc.ClusterServicer):
-    """Membership: list, add, remove, update (`cluster/membership.py`)."""
+    """Membership: list, add, remove, update (`queue_server/replication/membership.py`)."""
 
     def __init__(self, membership: Membership, header: HeaderFiller) -> None:
         self.membership = membership

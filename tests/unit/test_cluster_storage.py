@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from cluster.storage import RaftStorage, StoredEntry, encode_entry, encode_hard_state
+from queue_server.replication.storage import (
+    RaftStorage,
+    StoredEntry,
+    encode_entry,
+    encode_hard_state,
+)
 from queue_server.storage import snapshot
 
 pytestmark = pytest.mark.unit

@@ -3,7 +3,8 @@
 The map lists the parts top first; names on one line are one layer and must not
 import each other. This test reads the map from the docstring and every import
 statement (type-only ones included) from the sources, so the map cannot drift
-from the code without failing here.
+from the code without failing here. `raft/`, the Raft library beside the
+package, imports nothing of the server at all.
 """
 
 from __future__ import annotations
@@ -38,13 +39,11 @@ def layers() -> dict[str, int]:
 
 def part_of(path: Path) -> str:
     rel = path.relative_to(ROOT).with_suffix("")
-    if rel.parts[0] == "cluster":
-        return "cluster"
     return rel.parts[1] if len(rel.parts) > 1 else "__init__"
 
 
 def imported_parts(tree: ast.AST) -> set[str]:
-    """The parts of queue_server (and `cluster`) a module imports."""
+    """The parts of queue_server a module imports."""
     out: set[str] = set()
     for node in ast.walk(tree):
         modules: list[str] = []
@@ -59,13 +58,11 @@ def imported_parts(tree: ast.AST) -> set[str]:
             parts = m.split(".")
             if parts[0] == "queue_server" and len(parts) > 1:
                 out.add(parts[1])
-            elif parts[0] == "cluster":
-                out.add("cluster")
     return out
 
 
 def sources() -> list[Path]:
-    return sorted([*(ROOT / "queue_server").rglob("*.py"), *(ROOT / "cluster").rglob("*.py")])
+    return sorted((ROOT / "queue_server").rglob("*.py"))
 
 
 def test_the_map_names_every_part() -> None:
@@ -96,3 +93,20 @@ def test_the_check_sees_an_upward_import() -> None:
     assert imported_parts(tree) == {"server", "api"}
     level = layers()
     assert level["server"] < level["mvcc"] and level["mq"] == level["cqs"]
+
+
+def test_raft_imports_nothing_of_the_server() -> None:
+    """raft/ is a library of its own: the algorithm, with no I/O and no server."""
+    wrong: list[str] = []
+    for path in sorted((ROOT / "raft").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                top = name.split(".")[0]
+                if top in ("queue_server", "etcdserverpb", "tests", "grpc", "asyncio"):
+                    wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not wrong, "raft/ must stand alone:\n" + "\n".join(wrong)

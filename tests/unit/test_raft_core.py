@@ -1,4 +1,4 @@
-"""Focused tests of the Raft core (cluster/raft/core.py): elections, votes, log
+"""Focused tests of the Raft core (raft/core.py): elections, votes, log
 repair, commit rules, ReadIndex, CheckQuorum, PreVote, snapshots, membership,
 restarts, leadership transfer and flow control.
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from cluster.raft import (
+from raft import (
     ConfChange,
     ConfChangeOp,
     ConfChangePending,
@@ -33,7 +33,7 @@ from cluster.raft import (
     Ready,
     Role,
 )
-from cluster.raft.sim import SimCluster, SimStorage
+from tests.support.raft_sim import SimCluster, SimStorage
 
 pytestmark = pytest.mark.unit
 

@@ -1,5 +1,5 @@
-"""Unit tests of the Raft value types' binary encodings (cluster/raft/messages.py) and
-of the in-memory log (cluster/raft/log.py): round trips for arbitrary values, and
+"""Unit tests of the Raft value types' binary encodings (raft/messages.py) and
+of the in-memory log (raft/log.py): round trips for arbitrary values, and
 refusal of truncated, extended, corrupted or foreign-version buffers."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.raft import (
+from raft import (
     FORMAT_VERSION,
     ConfChange,
     ConfChangeOp,
@@ -23,7 +23,7 @@ from cluster.raft import (
     Snapshot,
     SnapshotMeta,
 )
-from cluster.raft.log import LogSafetyError, RaftLog
+from raft.log import LogSafetyError, RaftLog
 
 pytestmark = pytest.mark.unit
 

@@ -1,5 +1,5 @@
 """Randomized whole-cluster tests of the Raft core in the deterministic simulator
-(cluster/raft/sim.py): seeded schedules of message loss, duplication, delay and
+(tests/support/raft_sim.py): seeded schedules of message loss, duplication, delay and
 reordering, partitions, crashes (also in the middle of handling a Ready), restarts
 from persisted state only, compactions and snapshots, membership changes, leadership
 transfers, proposals and linearizable reads. The simulator's checker verifies
@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from cluster.raft import core as core_module
-from cluster.raft import log as log_module
-from cluster.raft.sim import FaultPlan, InvariantViolation, NetConfig, SimReport, run_random
+from raft import core as core_module
+from raft import log as log_module
+from tests.support.raft_sim import FaultPlan, InvariantViolation, NetConfig, SimReport, run_random
 
 pytestmark = pytest.mark.unit
 

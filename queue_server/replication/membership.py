@@ -19,29 +19,20 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cluster.node import ClusterLog
-from cluster.raft.messages import ConfChange, ConfChangeOp
-from cluster.transport import PeerClients
 from etcdserverpb import internal_pb2
 from queue_server.apply import StateMachine
-from queue_server.errors import EtcdError, MemberNotFound
+from queue_server.errors import (
+    EtcdError,
+    LearnerNotSupported,
+    MemberNotFound,
+    NotClustered,
+    PeerURLExists,
+)
+from queue_server.replication.driver import ClusterLog
+from queue_server.replication.peer_transport import PeerClients
+from raft.messages import ConfChange, ConfChangeOp
 
 log = logging.getLogger(__name__)
-
-
-class PeerURLExists(EtcdError):
-    code = "FAILED_PRECONDITION"
-    message = "etcdserver: Peer URLs already exists"
-
-
-class LearnerNotSupported(EtcdError):
-    code = "INVALID_ARGUMENT"
-    message = "etcdserver: learner members are not supported by this server"
-
-
-class NotClustered(EtcdError):
-    code = "FAILED_PRECONDITION"
-    message = "etcdserver: membership changes need a member started with --initial-cluster"
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,8 +95,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from cluster.raft.log import RaftLog
-from cluster.raft.messages import (
+from raft.log import RaftLog
+from raft.messages import (
     ConfChange,
     ConfChangeOp,
     Entry,
@@ -107,7 +107,7 @@ from cluster.raft.messages import (
     Snapshot,
     SnapshotMeta,
 )
-from cluster.raft.progress import Progress, ProgressState
+from raft.progress import Progress, ProgressState
 
 TRANSFER_CONTEXT = b"transfer"
 """Context of VOTE messages from a leadership-transfer campaign: voters grant them

@@ -1,8 +1,8 @@
 """Raft consensus as an I/O-free core (etcd-`raft` style: step, tick, propose, ready,
-advance) plus a deterministic simulator to test it. See `cluster.raft.core` for the
+advance) plus a deterministic simulator to test it. See `raft.core` for the
 driver's contract."""
 
-from cluster.raft.core import (
+from raft.core import (
     TRANSFER_CONTEXT,
     ConfChangePending,
     NotLeader,
@@ -13,8 +13,8 @@ from cluster.raft.core import (
     Ready,
     Role,
 )
-from cluster.raft.log import LogSafetyError
-from cluster.raft.messages import (
+from raft.log import LogSafetyError
+from raft.messages import (
     FORMAT_VERSION,
     ConfChange,
     ConfChangeOp,
@@ -27,7 +27,7 @@ from cluster.raft.messages import (
     Snapshot,
     SnapshotMeta,
 )
-from cluster.raft.progress import Progress, ProgressState
+from raft.progress import Progress, ProgressState
 
 __all__ = [
     "FORMAT_VERSION",

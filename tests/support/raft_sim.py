@@ -39,8 +39,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.raft.core import NotLeader, RaftCore, RaftError, ReadState, Ready, Role
-from cluster.raft.messages import Entry, EntryKind, HardState, Message, MessageType, Snapshot
+from raft.core import NotLeader, RaftCore, RaftError, ReadState, Ready, Role
+from raft.messages import Entry, EntryKind, HardState, Message, MessageType, Snapshot
 
 
 class InvariantViolation(AssertionError):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from cluster.raft.messages import Entry, Snapshot
+from raft.messages import Entry, Snapshot
 
 
 class LogSafetyError(RuntimeError):

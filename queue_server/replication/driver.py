@@ -1,8 +1,8 @@
 """The Raft driver of a cluster member: `ClusterLog`, the `Proposer` of a member
 that is one of several.
 
-It owns the member's `RaftCore` (`cluster/raft/core.py`), its stable storage
-(`cluster/storage.py`) and its peer channels (`cluster/transport.py`), and feeds
+It owns the member's `RaftCore` (`raft/core.py`), its stable storage
+(`queue_server/replication/storage.py`) and its peer channels (`queue_server/replication/peer_transport.py`), and feeds
 the same `StateMachine` the single-node `LocalLog` feeds. Services call
 `propose(command)` and `linearize()` exactly as they do on one node.
 
@@ -51,8 +51,28 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from google.protobuf import empty_pb2
 
-from cluster.raft.core import NotLeader, ProposalDropped, RaftCore, Ready, Role
-from cluster.raft.messages import (
+from etcdserverpb import internal_pb2
+from queue_server.apply import Applier, ApplyFailed, ApplyResult
+from queue_server.errors import (
+    EtcdError,
+    LeaderChanged,
+    NoLeader,
+    RequestTimeout,
+    RequestTooLarge,
+    ServerStopped,
+    TooManyRequests,
+)
+from queue_server.replication.peer_transport import PeerClients
+from queue_server.replication.storage import (
+    RaftStorage,
+    StoredEntry,
+    encode_entry,
+    encode_hard_state,
+)
+from queue_server.storage import snapshot as snapshot_format
+from queue_server.storage.local_log import ENTRY_HEADER_BYTES, MAX_UNAPPLIED
+from raft.core import NotLeader, ProposalDropped, RaftCore, Ready, Role
+from raft.messages import (
     ConfChange,
     ConfChangeOp,
     DecodeError,
@@ -63,19 +83,6 @@ from cluster.raft.messages import (
     Snapshot,
     SnapshotMeta,
 )
-from cluster.storage import RaftStorage, StoredEntry, encode_entry, encode_hard_state
-from cluster.transport import PeerClients
-from etcdserverpb import internal_pb2
-from queue_server.apply import Applier, ApplyFailed, ApplyResult
-from queue_server.errors import (
-    EtcdError,
-    RequestTimeout,
-    RequestTooLarge,
-    ServerStopped,
-    TooManyRequests,
-)
-from queue_server.storage import snapshot as snapshot_format
-from queue_server.storage.local_log import ENTRY_HEADER_BYTES, MAX_UNAPPLIED
 
 log = logging.getLogger(__name__)
 
@@ -92,16 +99,6 @@ _INDEX_TERM = struct.Struct("<QQ")
 _CONF = struct.Struct("<BQ")
 _NO_RESULT = empty_pb2.Empty()
 """What a leader's empty entry or a membership change applies to."""
-
-
-class NoLeader(EtcdError):
-    code = "UNAVAILABLE"
-    message = "etcdserver: no leader"
-
-
-class LeaderChanged(EtcdError):
-    code = "UNAVAILABLE"
-    message = "etcdserver: leader changed"
 
 
 class ClusterLog:
