@@ -28,6 +28,12 @@ transport error."""
 
 DEFAULT_MAX_CONCURRENT_STREAMS = 2**32 - 1
 """etcd's default --max-concurrent-streams (math.MaxUint32: no limit)."""
+DEFAULT_HEARTBEAT_MS = 100
+"""etcd's --heartbeat-interval default: one raft tick, the leader's heartbeat."""
+DEFAULT_ELECTION_MS = 1000
+"""etcd's --election-timeout default: ten ticks without a leader start an election."""
+MAX_ELECTION_MS = 50_000
+"""etcd refuses longer election timeouts."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +73,8 @@ class Config:
     max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS
     max_watchers_per_stream: int = DEFAULT_MAX_WATCHERS_PER_STREAM
     grpc_transport: str = "native"
+    heartbeat_interval_ms: int = DEFAULT_HEARTBEAT_MS
+    election_timeout_ms: int = DEFAULT_ELECTION_MS
 
     @property
     def clustered(self) -> bool:
@@ -202,6 +210,18 @@ def build_parser() -> argparse.ArgumentParser:
         default="new",
         choices=("new", "existing"),
         help="new: bootstrap the cluster; existing: join one (after member add)",
+    )
+    add(
+        "--heartbeat-interval",
+        type=int,
+        default=DEFAULT_HEARTBEAT_MS,
+        help="time (in milliseconds) of a heartbeat interval: one raft tick",
+    )
+    add(
+        "--election-timeout",
+        type=int,
+        default=DEFAULT_ELECTION_MS,
+        help="time (in milliseconds) for an election to timeout",
     )
     add(
         "--max-request-bytes",
@@ -388,6 +408,22 @@ def parse_initial_cluster(text: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
     return tuple((name, tuple(urls)) for name, urls in members.items())
 
 
+def check_raft_timing(heartbeat_ms: int, election_ms: int) -> None:
+    """etcd's rules (and words) for --heartbeat-interval and --election-timeout."""
+    if heartbeat_ms <= 0:
+        raise ConfigError("--heartbeat-interval must be positive")
+    if election_ms < 5 * heartbeat_ms:
+        raise ConfigError(
+            f"--election-timeout[{election_ms}ms] should be at least as 5 times as "
+            f"--heartbeat-interval[{heartbeat_ms}ms]"
+        )
+    if election_ms > MAX_ELECTION_MS:
+        raise ConfigError(
+            f"--election-timeout[{election_ms}ms] is too long, and should be set less "
+            f"than {MAX_ELECTION_MS}ms"
+        )
+
+
 def parse_config(
     argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> Config:
@@ -400,6 +436,7 @@ def parse_config(
         raise ConfigError("--max-txn-ops must be positive")
     if a.snapshot_count <= 0:
         raise ConfigError("--snapshot-count must be positive")
+    check_raft_timing(a.heartbeat_interval, a.election_timeout)
     if a.max_concurrent_streams <= 0:
         raise ConfigError("--max-concurrent-streams must be positive")
     if a.max_watchers_per_stream < 0:
@@ -416,6 +453,8 @@ def parse_config(
         auto_compaction_mode=a.auto_compaction_mode,
         auto_compaction_retention=a.auto_compaction_retention,
         snapshot_count=a.snapshot_count,
+        heartbeat_interval_ms=a.heartbeat_interval,
+        election_timeout_ms=a.election_timeout,
         quota_backend_bytes=a.quota_backend_bytes
         if a.quota_backend_bytes > 0
         else DEFAULT_QUOTA_BYTES,

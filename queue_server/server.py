@@ -67,6 +67,7 @@ from queue_server.recipes.local_client import LocalClient
 from queue_server.replication.driver import ClusterLog
 from queue_server.replication.membership import MemberInfo, Membership, member_id_for
 from queue_server.replication.peer_transport import PeerClients, peer_handler
+from queue_server.replication.storage import RaftStorage
 from queue_server.storage.local_log import LocalLog
 from queue_server.storage.snapshot import CorruptSnapshotError
 from queue_server.storage.wal import WALCorruptError, WALGapError
@@ -125,7 +126,7 @@ class Server:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self.timers = Timers(time.monotonic)
-        self.expiry = ExpiryClock(self.timers.clock)
+        self.expiry = ExpiryClock(self.timers.clock, forward_keep_alive=self._forward_keep_alive)
         self.driver = NodeDriver(self.timers)
         self.applier = Applier(self.state, self.driver, self._apply_failed)
         self.failed: ApplyFailed | None = None
@@ -223,7 +224,6 @@ class Server:
         )
         await self._serve_clients(table)
         if isinstance(self.log, ClusterLog):
-            self.expiry.forward_keep_alive = self._forward_keep_alive
             self.log.on_restored = self._restored_from_leader
             await self.log.start()
         # What recovery loaded lives as long as the process: keep the collector
@@ -564,13 +564,16 @@ class Server:
         for name, urls in cfg.initial_cluster:
             if ids[name] != me:
                 peers.set_peer(ids[name], urls[0])
+        heartbeat = cfg.heartbeat_interval_ms / 1000
         cluster_log = ClusterLog(
-            cfg.data_dir,
             self.applier,
             me,
             sorted(ids.values()),
             peers,
-            fsync=not cfg.unsafe_no_fsync,
+            RaftStorage(cfg.data_dir, fsync=not cfg.unsafe_no_fsync),
+            keep_alive=lambda lease_id: self.expiry.keep_alive(lease_id),
+            heartbeat_seconds=heartbeat,
+            election_ticks=max(1, round(cfg.election_timeout_ms / cfg.heartbeat_interval_ms)),
             snapshot_count=cfg.snapshot_count,
             max_request_bytes=cfg.max_request_bytes,
             join=cfg.initial_cluster_state == "existing",
@@ -578,22 +581,12 @@ class Server:
         self.log = cluster_log
         self.peers = peers
         peer_server = aio.server(options=self._grpc_options(clients=False))
-        peer_server.add_generic_rpc_handlers((peer_handler(cluster_log.deliver, self._forwarded),))
+        peer_server.add_generic_rpc_handlers((peer_handler(cluster_log),))
         self._bind(peer_server, cfg.listen_peer_urls, "peer")
         await peer_server.start()
         self.peer_server = peer_server
         cluster_log.on_leader_change = self._leader_changed
         return me, sorted(ids.values())
-
-    async def _forwarded(self, request: bytes) -> bytes:
-        """A peer's request to the leader: a proposal (P), or a lease keepalive (K)."""
-        assert isinstance(self.log, ClusterLog)
-        if request[:1] == b"K" and len(request) == 9:
-            if not self.log.is_leader:
-                return b"N"
-            ttl = self.expiry.keep_alive(int.from_bytes(request[1:], "big", signed=True))
-            return b"T" + ttl.to_bytes(8, "big", signed=True)
-        return await self.log.forwarded(request)
 
     def _leader_changed(self, leader: int) -> None:
         """A new leader or a new term: headers carry the term; a new leader re-arms
@@ -637,20 +630,8 @@ class Server:
 
     def _forward_keep_alive(self, lease_id: int) -> None:
         """A keepalive on a follower also refreshes the leader's clock."""
-        cluster_log = self.log
-        if not isinstance(cluster_log, ClusterLog) or cluster_log.is_leader:
-            return
-        leader = cluster_log.leader_id
-        if leader and self.peers is not None:
-            request = b"K" + lease_id.to_bytes(8, "big", signed=True)
-            self._spawn(self._forward_quietly(leader, request))
-
-    async def _forward_quietly(self, leader: int, request: bytes) -> None:
-        assert self.peers is not None
-        try:
-            await self.peers.forward(leader, request)
-        except Exception as e:  # the client keeps alive again soon; the leader re-arms on change
-            log.debug("keepalive forward failed: %s", e)
+        if isinstance(self.log, ClusterLog):
+            self.log.forward_keep_alive(lease_id)
 
     def _grpc_options(self, clients: bool) -> list[tuple[str, Any]]:
         """Options of the client server (`clients`) or of the peer server."""

@@ -33,7 +33,12 @@ acknowledges what that Ready contained.
    fsync.
 5. Only then send `rd.messages` (in any order; losing some is fine, Raft retries).
    A message can promise what 1-3 wrote (a vote, an acknowledged entry), which is
-   why it must not leave before they are durable.
+   why it must not leave before they are durable. One exception: a node that is
+   the leader when it takes the Ready may send its messages *before* 1-4 (Raft
+   thesis 10.2.1, as etcd does). A leader's appends and heartbeats promise nothing
+   about its own log, and the core counts the leader's own entries towards a
+   commit only once `advance` reports them stable, so followers' fsyncs overlap
+   the leader's.
 6. Apply `rd.committed` to the state machine, in order. These entries were all made
    durable by an earlier Ready (the core only hands out committed entries that
    `advance` has confirmed persisted), so step 6 may also run concurrently with 1-5.

@@ -29,13 +29,18 @@ CHECK_SECONDS = 0.1
 class ExpiryClock:
     """Deadlines of live leases; a min-heap with lazy deletion."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        forward_keep_alive: Callable[[int], None] | None = None,
+    ) -> None:
+        """`forward_keep_alive(lease_id)`, in a cluster, also refreshes the lease
+        on the leader, whose clock decides expiry."""
         self.clock = clock
         self._deadline: dict[int, float] = {}
         self._ttl: dict[int, int] = {}
         self._heap: list[tuple[float, int]] = []
-        # in a cluster, a keepalive on a follower is also sent to the leader
-        self.forward_keep_alive: Callable[[int], None] | None = None
+        self.forward_keep_alive = forward_keep_alive
 
     def _push(self, lease_id: int, deadline: float) -> None:
         self._deadline[lease_id] = deadline

@@ -1,33 +1,39 @@
 """The Raft driver of a cluster member: `ClusterLog`, the `Proposer` of a member
 that is one of several.
 
-It owns the member's `RaftCore` (`raft/core.py`), its stable storage
-(`queue_server/replication/storage.py`) and its peer channels (`queue_server/replication/peer_transport.py`), and feeds
-the same `StateMachine` the single-node `LocalLog` feeds. Services call
-`propose(command)` and `linearize()` exactly as they do on one node.
+It owns the member's `RaftCore` (`raft/core.py`) and drives it over three things
+it is given: the raft storage (`replication/storage.py`, or a simulated disk),
+the peers (`replication/peers.Peers`: `peer_wire.PeerTransport`, or a simulated
+network) and the event loop's clock. It feeds the same `Applier` the single-node
+`LocalLog` feeds. Services call `propose(command)` and `linearize()` exactly as
+they do on one node; the transport calls `deliver` and `answer` (it is the
+member's `PeerHandler`).
 
 Theory of operation
 -------------------
 One event loop does everything but disk writes. A timer ticks the core every
-TICK_SECONDS; messages from peers are stepped into it as they arrive; proposals
-go into it on the leader. After each of these the Ready cycle runs (one at a
-time): persist the Ready's entries and hard state (one fsync in the writer thread
-when the core says it must), then send its messages, then apply its committed
-entries to the state machine, then hand out read states, then `advance`. Entries
-that arrive while a write is in flight wait in the core and go into the next
-Ready, so concurrent proposals share fsyncs (group commit, as in `LocalLog`).
+`heartbeat_seconds`; messages from peers are stepped into it as they arrive;
+proposals go into it on the leader. After each of these the Ready cycle runs
+(one at a time): persist the Ready's entries and hard state (one fsync in the
+writer thread when the core says it must), send its messages (a leader sends
+before its write, everyone else after), apply its committed entries, hand out
+read states, then `advance`. Entries that arrive while a write is in flight wait
+in the core and go into the next Ready, so concurrent proposals share one append
+per follower and one fsync (group commit, as in `LocalLog`).
 
 Proposals: on the leader, `propose` appends to the core and waits for the entry
 at that index to be applied; if the entry applied there has another term, a new
 leader overwrote it and the proposal fails with a retryable error. On a follower
-the command is sent to the leader (`Forward`), which answers with the index and
-term it got; the follower then waits for its own state machine to apply that
-entry, so a client reads its own write on the member it talks to. Applied
-results are kept for a short while, for an answer that arrives after the apply.
+the command goes to the leader as a peer `Request` on the stream the follower
+already has open; the leader answers with the index and term it got, and the
+follower waits for its own state machine to apply that entry, so a client reads
+its own write on the member it talks to. Applied results are kept for a short
+while, for an answer that arrives after the apply.
 
 Reads: `linearize()` asks the core for a read index (on a follower the core asks
 the leader) and waits until the state machine has applied it, as etcd's
-linearizable reads do; serializable reads skip it.
+linearizable reads do; reads waiting together share one round. Serializable
+reads skip it.
 
 Snapshots: every `snapshot_count` applied entries the state machine is exported;
 the core compacts its log, and the storage saves the snapshot and restarts its
@@ -42,16 +48,14 @@ import json
 import logging
 import random
 import secrets
-import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 
-import grpc
 from google.protobuf import empty_pb2
 
-from etcdserverpb import internal_pb2
+from etcdserverpb import internal_pb2, peer_pb2
 from queue_server.apply import Applier, ApplyFailed, ApplyResult
 from queue_server.errors import (
     EtcdError,
@@ -62,7 +66,7 @@ from queue_server.errors import (
     ServerStopped,
     TooManyRequests,
 )
-from queue_server.replication.peer_transport import PeerClients
+from queue_server.replication.peers import Peers, PeerUnavailable
 from queue_server.replication.storage import (
     RaftStorage,
     StoredEntry,
@@ -86,17 +90,21 @@ from raft.messages import (
 
 log = logging.getLogger(__name__)
 
-TICK_SECONDS = 0.1
-"""One raft tick: etcd's default heartbeat interval."""
+HEARTBEAT_SECONDS = 0.1
+"""One raft tick, etcd's default --heartbeat-interval (100 ms): the leader's
+heartbeat goes out every tick."""
 ELECTION_TICKS = 10
-"""Election timeout in ticks (1 s, etcd's default)."""
+"""Election timeout in ticks: etcd's default --election-timeout (1000 ms) over
+its heartbeat interval."""
 REQUEST_TIMEOUT = 7.0
 """How long a proposal or a linearizable read may wait (etcd: 5 s + 2 elections)."""
+PEER_REQUEST_TIMEOUT = 2.0
+"""How long a follower waits for the leader to place a forwarded request: past
+it the leader is taken for gone and the request is tried again (within
+REQUEST_TIMEOUT), on whoever leads by then."""
 KEEP_RESULTS = 4096
 """Applied results kept for forwarded proposals whose answer arrives late."""
 
-_INDEX_TERM = struct.Struct("<QQ")
-_CONF = struct.Struct("<BQ")
 _NO_RESULT = empty_pb2.Empty()
 """What a leader's empty entry or a membership change applies to."""
 
@@ -106,27 +114,41 @@ class ClusterLog:
 
     def __init__(
         self,
-        data_dir: str,
         applier: Applier,
         member_id: int,
         voters: list[int],
-        peers: PeerClients,
+        peers: Peers,
+        storage: RaftStorage,
         *,
-        fsync: bool = True,
+        keep_alive: Callable[[int], int],
+        writer: Executor | None = None,
+        heartbeat_seconds: float = HEARTBEAT_SECONDS,
+        election_ticks: int = ELECTION_TICKS,
         snapshot_count: int = 100_000,
         max_request_bytes: int = 1_572_864,
         join: bool = False,
+        rng: random.Random | None = None,
     ) -> None:
+        """`storage` is the member's raft storage (`RaftStorage`, or a simulated
+        disk in tests); its blocking writes run on `writer` (one thread by
+        default). `keep_alive(lease_id) -> ttl` refreshes a lease on this
+        member's clock: the leader answers followers' forwarded keepalives with
+        it. The tick is `heartbeat_seconds` and an election takes
+        `election_ticks` ticks (etcd's --heartbeat-interval and
+        --election-timeout over it)."""
         self.applier = applier
         self.state_machine = applier.state
         self.member_id = member_id
         self.peers = peers
-        self.storage = RaftStorage(data_dir, fsync)
+        self.storage = storage
         self.snapshot_count = snapshot_count
         self.max_request_bytes = max_request_bytes
+        self.heartbeat_seconds = heartbeat_seconds
+        self.election_ticks = election_ticks
+        self._keep_alive = keep_alive
         self._initial_voters = [] if join else voters
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raft-wal")
-        self._rng = random.Random(secrets.randbits(64))
+        self._writer = writer or ThreadPoolExecutor(max_workers=1, thread_name_prefix="raft-wal")
+        self._rng = rng or random.Random(secrets.randbits(64))
         self.core: RaftCore | None = None
         self._waiters: dict[int, tuple[int, asyncio.Future[ApplyResult]]] = {}
         self._results: OrderedDict[int, tuple[int, ApplyResult]] = OrderedDict()
@@ -141,6 +163,7 @@ class ClusterLog:
         self._snapshot_index = 0
         self._ticker: asyncio.Task[None] | None = None
         self._cycle: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
         self.on_leader_change: Callable[[int], None] | None = None
         self.on_conf_change: Callable[[ConfChange], None] | None = None
         self.on_restored: Callable[[], None] | None = None
@@ -164,7 +187,10 @@ class ClusterLog:
         fresh = loaded.term == 0 and not loaded.entries and snap is None
         if fresh:
             self.core = RaftCore(
-                self.member_id, self._initial_voters, rng=self._rng, election_ticks=ELECTION_TICKS
+                self.member_id,
+                self._initial_voters,
+                rng=self._rng,
+                election_ticks=self.election_ticks,
             )
         else:
             entries = [Entry(e.term, e.index, EntryKind(e.kind), e.data) for e in loaded.entries]
@@ -176,7 +202,7 @@ class ClusterLog:
                 entries,
                 rng=self._rng,
                 applied=sm.applied_index if sm.applied_index >= self._snapshot_index else None,
-                election_ticks=ELECTION_TICKS,
+                election_ticks=self.election_ticks,
             )
         log.info(
             "raft recovered member=%x term=%d snapshot=%d entries=%d voters=%s",
@@ -235,47 +261,57 @@ class ClusterLog:
         data = command.SerializeToString()
         if len(data) + ENTRY_HEADER_BYTES > self.max_request_bytes:
             raise RequestTooLarge()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + REQUEST_TIMEOUT
+        request = peer_pb2.Request()
+        request.propose.command = data
+        return await self._replicate(request)
+
+    async def change_membership(self, op: ConfChangeOp, member_id: int, context: bytes) -> None:
+        """Add or remove one voter, through the leader; returns once applied here."""
+        request = peer_pb2.Request()
+        change = request.conf_change
+        change.op = (
+            peer_pb2.ConfChangeRequest.ADD
+            if op is ConfChangeOp.ADD
+            else peer_pb2.ConfChangeRequest.REMOVE
+        )
+        change.member_id = member_id
+        change.context = context
+        await self._replicate(request)
+
+    async def _replicate(self, request: peer_pb2.Request) -> ApplyResult:
+        """Place `request` in the leader's log (here or through the leader) and
+        wait for this member to apply it."""
+        deadline = asyncio.get_running_loop().time() + REQUEST_TIMEOUT
         while True:
-            placed = await self._place(b"P" + data, deadline)
+            placed = await self._place(request, deadline)
             if placed is not None:
                 index, term = placed
                 return await self._result(index, term, deadline)
 
-    async def change_membership(self, op: ConfChangeOp, member_id: int, context: bytes) -> None:
-        """Add or remove one voter, through the leader; returns once applied here."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + REQUEST_TIMEOUT
-        request = b"C" + _CONF.pack(op, member_id) + context
-        while True:
-            placed = await self._place(request, deadline)
-            if placed is not None:
-                await self._result(*placed, deadline)
-                return
-
-    def _propose_local(self, request: bytes) -> int:
-        """Propose a tagged request on the leader: b"P" + command, or b"C" + a
-        membership change. Raises NotLeader / ProposalDropped."""
+    def _propose_local(self, request: peer_pb2.Request) -> int:
+        """Append a proposal or a membership change to this leader's log; its
+        index. Raises NotLeader / ProposalDropped (and ValueError for a
+        meaningless membership change)."""
         core = self.core
         assert core is not None
-        if request[:1] == b"C":
-            op, member_id = _CONF.unpack_from(request, 1)
-            context = request[1 + _CONF.size :]
-            if op == ConfChangeOp.ADD:
-                return core.propose_conf_change(add=member_id, context=context)
-            return core.propose_conf_change(remove=member_id, context=context)
-        return core.propose(request[1:])
+        if request.HasField("conf_change"):
+            change = request.conf_change
+            if change.op == peer_pb2.ConfChangeRequest.ADD:
+                return core.propose_conf_change(add=change.member_id, context=change.context)
+            return core.propose_conf_change(remove=change.member_id, context=change.context)
+        return core.propose(request.propose.command)
 
-    async def _place(self, data: bytes, deadline: float) -> tuple[int, int] | None:
-        """Put a tagged request in the leader's log: (index, term), or None to
-        try again."""
+    async def _place(self, request: peer_pb2.Request, deadline: float) -> tuple[int, int] | None:
+        """Put a request in the leader's log: (index, term), or None to try
+        again. A request the leader may have taken but did not answer is not
+        tried again (it could be applied twice): the caller gets `etcdserver:
+        request timed out`, as from etcd when its leader goes away mid-write."""
         core = self.core
         assert core is not None
         loop = asyncio.get_running_loop()
         if core.role is Role.LEADER:
             try:
-                index = self._propose_local(data)
+                index = self._propose_local(request)
             except (NotLeader, ProposalDropped):
                 await self._pause(deadline)
                 return None
@@ -285,25 +321,27 @@ class ClusterLog:
         if leader == 0:
             await self._wait_leader(deadline)
             return None
+        timeout = min(PEER_REQUEST_TIMEOUT, max(0.0, deadline - loop.time()))
         try:
-            answer = await self.peers.forward(leader, data)
-        except (grpc.RpcError, KeyError) as e:
-            log.debug("forward to leader %x failed: %s", leader, e)
+            answer = await self.peers.request(leader, request, timeout)
+        except PeerUnavailable as e:
+            log.debug("forward to leader failed leader=%x sent=%s error=%s", leader, e.sent, e)
+            if e.sent:
+                raise RequestTimeout() from None
             await self._pause(deadline)
             return None
-        if answer[:1] != b"I":
+        if not answer.HasField("placed"):
             await self._pause(deadline)
             return None
         if loop.time() > deadline:
             raise RequestTimeout()
-        index, term = _INDEX_TERM.unpack_from(answer, 1)
-        return index, term
+        return answer.placed.index, answer.placed.term
 
     async def _pause(self, deadline: float) -> None:
         loop = asyncio.get_running_loop()
-        if loop.time() + TICK_SECONDS > deadline:
+        if loop.time() + self.heartbeat_seconds > deadline:
             raise RequestTimeout()
-        await asyncio.sleep(TICK_SECONDS)
+        await asyncio.sleep(self.heartbeat_seconds)
 
     async def _wait_leader(self, deadline: float) -> None:
         loop = asyncio.get_running_loop()
@@ -312,7 +350,9 @@ class ClusterLog:
             raise NoLeader()
         self._leader_known.clear()
         try:
-            await asyncio.wait_for(self._leader_known.wait(), min(remaining, TICK_SECONDS * 5))
+            await asyncio.wait_for(
+                self._leader_known.wait(), min(remaining, self.heartbeat_seconds * 5)
+            )
         except TimeoutError:
             if loop.time() >= deadline:
                 raise NoLeader() from None
@@ -445,24 +485,57 @@ class ClusterLog:
                 self.member_id,
             )
 
-    async def forwarded(self, request: bytes) -> bytes:
-        """A follower's request (b"P" + command, b"C" + membership change) ->
-        b"I" + (index, term), or b"N" to try again."""
+    async def answer(self, request: peer_pb2.Request) -> peer_pb2.Answer:
+        """A follower's request: place a proposal or a membership change in this
+        leader's log, or refresh a lease on this leader's clock. Anything else,
+        or any request while not the leader, is refused: the follower asks again."""
         core = self.core
-        if core is None or request[:1] not in (b"P", b"C") or core.role is not Role.LEADER:
-            return b"N"
+        answer = peer_pb2.Answer()
+        if core is None or self._closed or core.role is not Role.LEADER:
+            answer.refused.reason = "not the leader"
+            answer.refused.leader = core.leader_id if core is not None else 0
+            return answer
+        if request.HasField("keep_alive"):
+            answer.keep_alive.ttl = self._keep_alive(request.keep_alive.lease_id)
+            return answer
+        if not (request.HasField("propose") or request.HasField("conf_change")):
+            answer.refused.reason = "unknown request"
+            return answer
         try:
             index = self._propose_local(request)
-        except (NotLeader, ProposalDropped, ValueError):
-            return b"N"
+        except (NotLeader, ProposalDropped, ValueError) as e:
+            answer.refused.reason = str(e) or type(e).__name__
+            answer.refused.leader = core.leader_id
+            return answer
         self._kick()
-        return b"I" + _INDEX_TERM.pack(index, core.term)
+        answer.placed.index = index
+        answer.placed.term = core.term
+        return answer
+
+    def forward_keep_alive(self, lease_id: int) -> None:
+        """A client kept a lease alive on this follower: refresh it on the
+        leader's clock too, which decides expiry. Best effort: the client keeps
+        alive again within a third of the TTL, and a new leader re-arms every
+        lease with a full TTL."""
+        if self.is_leader or self.leader_id == 0 or self._closed:
+            return
+        request = peer_pb2.Request()
+        request.keep_alive.lease_id = lease_id
+        task = asyncio.get_running_loop().create_task(self._keep_alive_on(self.leader_id, request))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _keep_alive_on(self, leader: int, request: peer_pb2.Request) -> None:
+        try:
+            await self.peers.request(leader, request, PEER_REQUEST_TIMEOUT)
+        except PeerUnavailable as e:
+            log.debug("keepalive forward failed leader=%x error=%s", leader, e)
 
     # -- the Ready cycle --------------------------------------------------------------
 
     async def _tick_forever(self) -> None:
         while True:
-            await asyncio.sleep(TICK_SECONDS)
+            await asyncio.sleep(self.heartbeat_seconds)
             if self.core is not None:
                 self.core.tick()
                 self._kick()
@@ -503,6 +576,15 @@ class ClusterLog:
 
     async def _handle(self, rd: Ready) -> None:
         loop = asyncio.get_running_loop()
+        # A leader sends before its own write (Raft thesis 10.2.1, as etcd does):
+        # its appends promise nothing about its own log, and the core counts the
+        # leader towards a commit only once `advance` says its entries are stable.
+        # So the followers' fsyncs overlap the leader's. Any other member's
+        # messages (votes, acknowledgements) promise what this Ready persists,
+        # and wait for it.
+        early = self.core is not None and self.core.role is Role.LEADER
+        if early:
+            self._send(rd)
         if rd.snapshot is not None:
             await self._install(rd.snapshot)
         records: list[bytes] = [
@@ -514,8 +596,8 @@ class ClusterLog:
         if records:
             data, last = self.storage.encode(records)
             await loop.run_in_executor(self._writer, self.storage.write, data, last)
-        for m in rd.messages:
-            self.peers.send(m.dst, m.to_bytes())
+        if not early:
+            self._send(rd)
         for e in rd.committed:
             self._apply(e)
         if rd.committed:
@@ -524,6 +606,11 @@ class ClusterLog:
             fut = self._reads.get(rs.context)
             if fut is not None and not fut.done():
                 fut.set_result(rs.index)
+
+    def _send(self, rd: Ready) -> None:
+        send = self.peers.send
+        for m in rd.messages:
+            send(m.dst, m.to_bytes())
 
     def _apply(self, e: Entry) -> None:
         sm = self.state_machine

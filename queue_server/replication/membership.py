@@ -29,7 +29,7 @@ from queue_server.errors import (
     PeerURLExists,
 )
 from queue_server.replication.driver import ClusterLog
-from queue_server.replication.peer_transport import PeerClients
+from queue_server.replication.peers import Peers
 from raft.messages import ConfChange, ConfChangeOp
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class Membership:
         cluster_token: str,
         founders: dict[int, tuple[str, ...]],
         log: ClusterLog | None = None,
-        peers: PeerClients | None = None,
+        peers: Peers | None = None,
         on_removed: Callable[[], None] | None = None,
     ) -> None:
         self.state = state

@@ -28,12 +28,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
+
+from etcdserverpb import peer_pb2
+from queue_server.replication.peers import PeerHandler, PeerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +57,6 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 2**31 - 1),
     ("grpc.max_receive_message_length", 2**31 - 1),
 ]
-FORWARD_TIMEOUT = 10.0
 _LEN = struct.Struct("<I")
 
 
@@ -80,10 +83,9 @@ def _identity(b: bytes) -> bytes:
     return b
 
 
-def peer_handler(
-    deliver: Callable[[list[bytes]], None], forward: Callable[[bytes], Awaitable[bytes]]
-) -> grpc.GenericRpcHandler[bytes, bytes]:
-    """The server side: `deliver(messages)` and `forward(command) -> answer`."""
+def peer_handler(handler: PeerHandler) -> grpc.GenericRpcHandler[bytes, bytes]:
+    """The server side: raft batches to `handler.deliver`, requests to `handler.answer`."""
+    deliver = handler.deliver
 
     async def on_stream(
         requests: AsyncIterator[bytes], context: aio.ServicerContext[bytes, bytes]
@@ -97,7 +99,13 @@ def peer_handler(
         return b""
 
     async def on_forward(request: bytes, context: aio.ServicerContext[bytes, bytes]) -> bytes:
-        return await forward(request)
+        try:
+            parsed = peer_pb2.Request.FromString(request)
+        except DecodeError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        answer = await handler.answer(parsed)
+        answer.id = parsed.id
+        return answer.SerializeToString()
 
     handlers = {
         "Stream": grpc.stream_unary_rpc_method_handler(
@@ -203,16 +211,23 @@ class PeerClients:
         finally:
             peer.sending = False
 
-    async def forward(self, member_id: int, command: bytes) -> bytes:
-        """Ask a peer (the leader) to propose `command`; raises grpc.RpcError."""
+    async def request(
+        self, member_id: int, request: peer_pb2.Request, timeout: float
+    ) -> peer_pb2.Answer:
+        """Ask a peer (the leader) to act on `request`; PeerUnavailable when it
+        does not answer."""
         peer = self._peers.get(member_id)
         if peer is None:
-            raise KeyError(member_id)
+            raise PeerUnavailable(f"no peer {member_id:x}")
         call = peer.channel.unary_unary(
             FORWARD, request_serializer=_identity, response_deserializer=_identity
         )
-        result: bytes = await call(command, timeout=FORWARD_TIMEOUT)
-        return result
+        try:
+            result: bytes = await call(request.SerializeToString(), timeout=timeout)
+        except grpc.RpcError as e:
+            sent = e.code() is not grpc.StatusCode.UNAVAILABLE
+            raise PeerUnavailable(str(e), sent=sent) from None
+        return peer_pb2.Answer.FromString(result)
 
     async def close(self) -> None:
         for peer in self._peers.values():

@@ -27,6 +27,20 @@ def test_stream_limits_from_flags() -> None:
     assert (c.max_concurrent_streams, c.max_watchers_per_stream) == (100, 0)
 
 
+def test_raft_timing_flags_follow_etcd() -> None:
+    c = parse_config([], environ={})
+    assert (c.heartbeat_interval_ms, c.election_timeout_ms) == (100, 1000)
+    c = parse_config([], environ={"ETCD_HEARTBEAT_INTERVAL": "50", "ETCD_ELECTION_TIMEOUT": "500"})
+    assert (c.heartbeat_interval_ms, c.election_timeout_ms) == (50, 500)
+    with pytest.raises(ConfigError) as e:
+        parse_config(["--heartbeat-interval", "100", "--election-timeout", "400"], environ={})
+    assert str(e.value) == (
+        "--election-timeout[400ms] should be at least as 5 times as --heartbeat-interval[100ms]"
+    )
+    with pytest.raises(ConfigError, match="is too long"):
+        parse_config(["--election-timeout", "60000"], environ={})
+
+
 def test_environment_variables_set_flags_and_flags_win() -> None:
     env = {"ETCD_NAME": "n1", "ETCD_MAX_REQUEST_BYTES": "1000", "ETCD_UNSAFE_NO_FSYNC": "true"}
     c = parse_config([], environ=env)
