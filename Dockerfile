@@ -26,7 +26,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY etcdserverpb ./etcdserverpb
 COPY queue_server ./queue_server
-COPY cluster ./cluster
+COPY raft ./raft
 RUN pip install . && rm -rf /src/build
 
 # An unprivileged user; the data dir exists in the image with its owner, so a named

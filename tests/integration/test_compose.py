@@ -103,6 +103,10 @@ def test_compose_file_structure(compose: dict[str, Any]) -> None:
         assert flag_value(cmd, "--initial-cluster") == ",".join(
             f"{n}=http://{n}:2380" for n in NAMES
         )
+        # etcd's own cluster flags, as an etcd compose file would give them.
+        assert flag_value(cmd, "--heartbeat-interval") == "100"
+        assert flag_value(cmd, "--election-timeout") == "1000"
+        assert flag_value(cmd, "--snapshot-count") == "10000"
         # A named volume of its own, mounted where --data-dir points.
         (volume,) = svc["volumes"]
         source = str(volume).split(":")[0]
