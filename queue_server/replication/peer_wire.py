@@ -78,6 +78,10 @@ CONNECT_TIMEOUT = 2.0
 """Seconds to open a connection (TCP and TLS handshake) before giving up on it;
 the messages queued meanwhile are dropped and the next one tries again."""
 
+HELLO_TIMEOUT = 5.0
+"""Seconds an accepted connection has to send its Hello: a dialler that says
+nothing must not hold a connection (and its buffers) forever."""
+
 WRITE_TIMEOUT = 5.0
 """Seconds a peer may leave a write unread (the socket's buffers full) before the
 connection is given up: a stuck peer must not hold the queue forever."""
@@ -175,6 +179,20 @@ def _address(writer: asyncio.StreamWriter) -> str:
     if isinstance(peername, tuple) and len(peername) >= 2:
         return f"{peername[0]}:{peername[1]}"
     return str(peername)
+
+
+async def _drain(writer: asyncio.StreamWriter) -> None:
+    """Wait until the socket takes what was written, at most WRITE_TIMEOUT.
+
+    `drain` only waits when the transport's buffer is over its high-water mark;
+    below it the timeout is skipped, as arming one costs more than the rest of a
+    small write."""
+    transport = writer.transport
+    if transport.get_write_buffer_size() <= transport.get_write_buffer_limits()[1]:
+        await writer.drain()
+        return
+    async with asyncio.timeout(WRITE_TIMEOUT):
+        await writer.drain()
 
 
 async def _read_frame(reader: asyncio.StreamReader, limit: int) -> peer_pb2.PeerFrame:
@@ -281,7 +299,14 @@ class PeerTransport:
             peer.writer_task = asyncio.get_running_loop().create_task(self._write_loop(peer))
 
     async def _write_loop(self, peer: _Peer) -> None:
-        """The peer's one writer: connect when needed, write what is queued, repeat."""
+        """The peer's one writer: connect when needed, write what is queued, repeat.
+        Should it ever fail, the next message starts a new one."""
+        try:
+            await self._write_queued(peer)
+        finally:
+            peer.writer_task = peer.idle = None
+
+    async def _write_queued(self, peer: _Peer) -> None:
         loop = asyncio.get_running_loop()
         while True:
             if not peer.queue and not peer.requests:
@@ -301,8 +326,7 @@ class PeerTransport:
             writer = connection.writer
             try:
                 writer.writelines(chunks)
-                async with asyncio.timeout(WRITE_TIMEOUT):
-                    await writer.drain()
+                await _drain(writer)
             except (OSError, TimeoutError) as e:
                 self._dropped += len(batch)
                 self._disconnect(peer, connection, repr(e))
@@ -419,7 +443,8 @@ class PeerTransport:
         remote = _address(writer)
         from_member = 0
         try:
-            first = await _read_frame(reader, MAX_HELLO_FRAME)
+            async with asyncio.timeout(HELLO_TIMEOUT):
+                first = await _read_frame(reader, MAX_HELLO_FRAME)
             if first.WhichOneof("body") != "hello":
                 raise _FrameError(
                     f"first frame is {first.WhichOneof('body') or 'unknown'}, not hello"
@@ -454,8 +479,8 @@ class PeerTransport:
                     answer.add_done_callback(answering.discard)
                 else:
                     raise _FrameError(f"unexpected {kind or 'unknown'} frame")
-        except (asyncio.IncompleteReadError, OSError):
-            pass  # the peer closed the connection, or it broke: it redials
+        except (asyncio.IncompleteReadError, OSError, TimeoutError):
+            pass  # the peer closed the connection, it broke, or no Hello came: it redials
         except (DecodeError, _FrameError) as e:
             self._warn(
                 "frame",
@@ -484,8 +509,7 @@ class PeerTransport:
             return
         try:
             writer.writelines(_frame(peer_pb2.PeerFrame(answer=answer)))
-            async with asyncio.timeout(WRITE_TIMEOUT):
-                await writer.drain()
+            await _drain(writer)
         except (OSError, TimeoutError):
             writer.close()  # the reader sees the end and the requester redials
 

@@ -13,7 +13,6 @@ import socket
 import ssl
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 
 import pytest
 
@@ -454,6 +453,16 @@ async def test_a_wrong_hello_is_refused_with_one_warning(
     assert b.handler.batches == []
 
 
+async def test_a_dialler_that_sends_no_hello_is_closed(
+    pair: tuple[Member, Member], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, b = pair
+    monkeypatch.setattr(peer_wire, "HELLO_TIMEOUT", 0.1)
+    reader, writer = await asyncio.open_connection("127.0.0.1", b.port)
+    assert await closed_by_peer(reader)
+    writer.close()
+
+
 def frame_with_unknown_body() -> bytes:
     body = b"\x4a\x00"  # field 9, an empty message: no PeerFrame body this side knows
     return LENGTH.pack(len(body)) + body
@@ -557,12 +566,17 @@ async def test_tls_refuses_a_peer_with_an_untrusted_certificate(pki: Pki) -> Non
 # -- uvloop --------------------------------------------------------------------
 
 
-def test_the_same_on_uvloop(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+def test_the_same_on_uvloop(pki: Pki, tls: bool) -> None:
     """The server runs on uvloop when it can: batches and requests work there too."""
     uvloop = pytest.importorskip("uvloop")
 
     async def exchange() -> None:
-        a, b = await Member(A).start(), await Member(B).start()
+        if tls:
+            a = await tls_member(A, pki, peer_files(pki))
+            b = await tls_member(B, pki, peer_files(pki))
+        else:
+            a, b = await Member(A).start(), await Member(B).start()
         try:
             a.transport.set_peer(B, b.url)
             sent = [b"u%d" % i for i in range(500)]
