@@ -317,9 +317,8 @@ class PeerTransport:
             if connection is None:
                 continue
             chunks, peer.requests = peer.requests, []
-            batch = peer.queue
+            batch, peer.queue = peer.queue, []
             if batch:
-                peer.queue = []
                 raft = peer_pb2.PeerFrame()
                 raft.raft.messages.extend(batch)
                 chunks.extend(_frame(raft))
