@@ -2,8 +2,10 @@
 
 What belongs here: reading and checking the PEM files named by etcd's TLS flags
 (`--cert-file`, `--key-file`, `--trusted-ca-file`, `--client-cert-auth` and their
-`--peer-*` twins), turning them into gRPC credentials for the listeners and for
-the channels to the other members, and reading a caller's certificate identity.
+`--peer-*` twins), turning them into gRPC credentials and `ssl.SSLContext`s for
+the listeners and for the connections to the other members (the peer wire,
+`queue_server/replication/peer_wire.py`, takes contexts), and reading a caller's
+certificate identity.
 No I/O besides reading those files; no server state. Imports grpc and
 `queue_server.config`, nothing else of ours.
 
@@ -111,10 +113,47 @@ def server_ssl_context(files: TLSFiles) -> ssl.SSLContext:
     """TLS for the native transport's https client listeners: our certificate,
     ALPN h2, TLS 1.2 or later (as etcd), and with --client-cert-auth a client
     certificate signed by --trusted-ca-file (checked by `load_credentials` first)."""
+    context = _listener_context(files)
+    context.set_alpn_protocols(["h2"])
+    return context
+
+
+def peer_server_ssl_context(files: TLSFiles) -> ssl.SSLContext:
+    """TLS for the peer wire's https --listen-peer-urls, from the --peer-* files:
+    our --peer-cert-file, TLS 1.2 or later, and with --peer-client-cert-auth a
+    member that dials in must present a certificate signed by
+    --peer-trusted-ca-file. Raises TLSError for unusable files."""
+    _key_pair(files)
+    if files.client_cert_auth:
+        if not files.trusted_ca_file:  # check_tls refuses this for https URLs already
+            raise TLSError(
+                f"{files.flag('client-cert-auth')} needs {files.flag('trusted-ca-file')}"
+            )
+        _ca(files)
+    return _listener_context(files)
+
+
+def peer_client_ssl_context(files: TLSFiles) -> ssl.SSLContext:
+    """TLS for dialling a peer's https URL on the peer wire, as the gRPC channel
+    credentials do: the peer's certificate must be signed by --peer-trusted-ca-file
+    (the system roots when none) and name the host of its URL; our
+    --peer-cert-file, if given, is presented as the client certificate. Raises
+    TLSError for unusable files."""
+    ca = _ca(files).decode("ascii") if files.trusted_ca_file else None
+    context = ssl.create_default_context(cadata=ca)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if not files.empty:
+        _key_pair(files)
+        context.load_cert_chain(files.cert_file, files.key_file)
+    return context
+
+
+def _listener_context(files: TLSFiles) -> ssl.SSLContext:
+    """Our certificate, TLS 1.2 or later, and with client-cert-auth a certificate
+    signed by the trusted CA required of every caller."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.load_cert_chain(files.cert_file, files.key_file)
-    context.set_alpn_protocols(["h2"])
     if files.client_cert_auth:
         context.load_verify_locations(files.trusted_ca_file)
         context.verify_mode = ssl.CERT_REQUIRED
