@@ -66,7 +66,7 @@ from queue_server.quota import QuotaGuard
 from queue_server.recipes.local_client import LocalClient
 from queue_server.replication.driver import ClusterLog
 from queue_server.replication.membership import MemberInfo, Membership, member_id_for
-from queue_server.replication.peer_transport import PeerClients, peer_handler
+from queue_server.replication.peer_wire import PeerTransport
 from queue_server.replication.storage import RaftStorage
 from queue_server.storage.local_log import LocalLog
 from queue_server.storage.snapshot import CorruptSnapshotError
@@ -116,9 +116,8 @@ class Server:
         self.state = StateMachine()
         self.log: LocalLog | ClusterLog | None = None
         self.header: HeaderFiller | None = None
-        self.peers: PeerClients | None = None
+        self.peers: PeerTransport | None = None
         self.session: NodeSession | None = None
-        self.peer_server: aio.Server | None = None
         self._published = False
         self.grpc_server: aio.Server | NativeServer | None = None
         self.bound_ports: list[int] = []
@@ -465,9 +464,9 @@ class Server:
         """Serve `table` on the client URLs, with the transport --grpc-transport names."""
         cfg = self.config
         if cfg.grpc_transport == "grpcio":
-            server = aio.server(options=self._grpc_options(clients=True))
+            server = aio.server(options=self._grpc_options())
             server.add_generic_rpc_handlers(generic_handlers(table))
-            self.bound_ports += self._bind(server, cfg.listen_client_urls, "client")
+            self.bound_ports += self._bind(server, cfg.listen_client_urls)
             await server.start()
             self.grpc_server = server
             return
@@ -502,15 +501,15 @@ class Server:
                     f"cannot listen on {address}: address in use or unavailable"
                 ) from e
 
-    def _bind(self, server: aio.Server, urls: tuple[str, ...], kind: str) -> list[int]:
-        """Listen on the client or peer URLs: https ones with that side's TLS
+    def _bind(self, server: aio.Server, urls: tuple[str, ...]) -> list[int]:
+        """Listen on the client URLs (grpcio): https ones with the client TLS
         credentials (config checking made sure they exist), http ones in the clear."""
-        files = self.config.client_tls if kind == "client" else self.config.peer_tls
-        credentials = self.tls.client_server if kind == "client" else self.tls.peer_server
+        files = self.config.client_tls
+        credentials = self.tls.client_server
         ports = []
         for url in urls:
             address = url_to_address(url)
-            for warning in ignored_on_http(files, url, kind):
+            for warning in ignored_on_http(files, url, "client"):
                 log.warning(warning)
             try:
                 if secure_url(url):
@@ -560,7 +559,7 @@ class Server:
             for name, urls in cfg.initial_cluster
         }
         me = ids[cfg.name]
-        peers = PeerClients(self._spawn, self.tls.peer_channel)
+        peers = PeerTransport(me, client_ssl=self.tls.peer_client)
         for name, urls in cfg.initial_cluster:
             if ids[name] != me:
                 peers.set_peer(ids[name], urls[0])
@@ -580,11 +579,15 @@ class Server:
         )
         self.log = cluster_log
         self.peers = peers
-        peer_server = aio.server(options=self._grpc_options(clients=False))
-        peer_server.add_generic_rpc_handlers((peer_handler(cluster_log),))
-        self._bind(peer_server, cfg.listen_peer_urls, "peer")
-        await peer_server.start()
-        self.peer_server = peer_server
+        for url in cfg.listen_peer_urls:
+            for warning in ignored_on_http(cfg.peer_tls, url, "peer"):
+                log.warning(warning)
+        try:
+            await peers.serve(list(cfg.listen_peer_urls), self.tls.peer_server, cluster_log)
+        except OSError as e:
+            raise StartupError(
+                f"cannot listen on {','.join(cfg.listen_peer_urls)}: address in use or unavailable"
+            ) from e
         cluster_log.on_leader_change = self._leader_changed
         return me, sorted(ids.values())
 
@@ -633,19 +636,13 @@ class Server:
         if isinstance(self.log, ClusterLog):
             self.log.forward_keep_alive(lease_id)
 
-    def _grpc_options(self, clients: bool) -> list[tuple[str, Any]]:
-        """Options of the client server (`clients`) or of the peer server."""
+    def _grpc_options(self) -> list[tuple[str, Any]]:
+        """Options of grpcio's client server (--grpc-transport grpcio)."""
         cfg = self.config
-        streams: list[tuple[str, Any]] = []
-        if clients:
-            # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS (etcd's --max-concurrent-streams,
-            # which etcd applies to client connections only); grpc takes a C int,
-            # and anything at or above it means "no limit".
-            streams.append(
-                ("grpc.max_concurrent_streams", min(cfg.max_concurrent_streams, 2**31 - 1))
-            )
         return [
-            *streams,
+            # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS (etcd's --max-concurrent-streams);
+            # grpc takes a C int, and anything at or above it means "no limit".
+            ("grpc.max_concurrent_streams", min(cfg.max_concurrent_streams, 2**31 - 1)),
             ("grpc.max_receive_message_length", cfg.max_request_bytes + GRPC_OVERHEAD_BYTES),
             ("grpc.max_send_message_length", 2**31 - 1),
             # Lenient keepalive enforcement, as etcd's: clients may ping every
@@ -704,8 +701,6 @@ class Server:
             await self.grpc_server.stop(grace)
         if self.log is not None:
             await self.log.close()
-        if self.peer_server is not None:
-            await self.peer_server.stop(0)
         if self.peers is not None:
             await self.peers.close()
         if self._lock_fd >= 0:

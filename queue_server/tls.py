@@ -71,15 +71,15 @@ class Credentials:
     """What the server binds and dials with; None where that side has no TLS files."""
 
     client_server: grpc.ServerCredentials | None
-    peer_server: grpc.ServerCredentials | None
-    peer_channel: grpc.ChannelCredentials | None
+    peer_server: ssl.SSLContext | None
+    peer_client: ssl.SSLContext | None
 
 
 def load_credentials(config: Config) -> Credentials:
     """Read and check the TLS files the config needs; raises TLSError.
 
     Files of a side with no https listener are not read (etcd ignores them, with
-    the warnings of `ignored_on_http`); the peer channel credentials are made when
+    the warnings of `ignored_on_http`); the peer client context is made when
     any member has an https peer URL or peer TLS files are given."""
     peer = config.peer_tls
     serves_tls = any(secure_url(u) for u in config.listen_client_urls)
@@ -87,8 +87,8 @@ def load_credentials(config: Config) -> Credentials:
     peer_dials_tls = any(secure_url(u) for _, urls in config.initial_cluster for u in urls)
     return Credentials(
         client_server=server_credentials(config.client_tls) if serves_tls else None,
-        peer_server=server_credentials(peer) if peer_serves_tls else None,
-        peer_channel=channel_credentials(peer)
+        peer_server=peer_server_ssl_context(peer) if peer_serves_tls else None,
+        peer_client=peer_client_ssl_context(peer)
         if peer_dials_tls or not peer.empty or peer.trusted_ca_file
         else None,
     )

@@ -49,12 +49,12 @@ import logging
 import ssl
 import struct
 from dataclasses import dataclass, field
-from typing import Protocol
 from urllib.parse import urlsplit
 
 from google.protobuf.message import DecodeError
 
 from etcdserverpb import peer_pb2
+from queue_server.replication.peers import PeerHandler, PeerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -107,21 +107,6 @@ HELLO_HINT = "the members' --initial-cluster or --initial-cluster-token may diff
 _LENGTH = struct.Struct(">I")
 
 
-class PeerUnavailable(Exception):
-    """A request could not be sent or answered: no such peer, the connection is
-    down or was lost, or the answer did not come in time."""
-
-
-class PeerHandler(Protocol):
-    """What a member does with what its peers send it."""
-
-    def deliver(self, messages: list[bytes]) -> None:
-        """One RaftBatch's messages, in the order the peer queued them."""
-
-    async def answer(self, request: peer_pb2.Request) -> peer_pb2.Answer:
-        """The answer to a peer's request; the transport sets its id."""
-
-
 class _FrameError(Exception):
     """A frame this side cannot take: over its size limit, or not expected here."""
 
@@ -149,6 +134,8 @@ class _Peer:
     """Encoded raft messages not yet taken by the writer."""
     requests: list[bytes] = field(default_factory=list)
     """Framed Request frames not yet written."""
+    unsent: set[int] = field(default_factory=set)
+    """Ids of the requests in `requests`: failing one of them is safe to retry."""
     pending: dict[int, asyncio.Future[peer_pb2.Answer]] = field(default_factory=dict)
     """Requests without an answer yet, by id."""
     writer_task: asyncio.Task[None] | None = None
@@ -207,11 +194,9 @@ async def _read_frame(reader: asyncio.StreamReader, limit: int) -> peer_pb2.Peer
 class PeerTransport:
     """This member's connections to and from its peers, by member id."""
 
-    def __init__(
-        self, member_id: int, handler: PeerHandler, *, client_ssl: ssl.SSLContext | None = None
-    ) -> None:
+    def __init__(self, member_id: int, *, client_ssl: ssl.SSLContext | None = None) -> None:
         self.member_id = member_id
-        self._handler = handler
+        self._handler: PeerHandler | None = None
         self._client_ssl = client_ssl
         self._peers: dict[int, _Peer] = {}
         self._servers: list[asyncio.Server] = []
@@ -278,16 +263,19 @@ class PeerTransport:
         future: asyncio.Future[peer_pb2.Answer] = asyncio.get_running_loop().create_future()
         peer.pending[request_id] = future
         peer.requests.extend(_frame(peer_pb2.PeerFrame(request=request)))
+        peer.unsent.add(request_id)
         self._wake(peer)
         try:
             async with asyncio.timeout(timeout):
                 return await future
         except TimeoutError:
             raise PeerUnavailable(
-                f"no answer from member={member_id:x} within {timeout}s"
+                f"no answer from member={member_id:x} within {timeout}s",
+                sent=request_id not in peer.unsent,
             ) from None
         finally:
             peer.pending.pop(request_id, None)
+            peer.unsent.discard(request_id)
 
     def _wake(self, peer: _Peer) -> None:
         idle = peer.idle
@@ -317,6 +305,7 @@ class PeerTransport:
             if connection is None:
                 continue
             chunks, peer.requests = peer.requests, []
+            peer.unsent.clear()
             batch, peer.queue = peer.queue, []
             if batch:
                 raft = peer_pb2.PeerFrame()
@@ -402,12 +391,17 @@ class PeerTransport:
         self._back_off(peer)
 
     def _fail_requests(self, peer: _Peer, reason: str) -> None:
+        """Fail every request without an answer; those never written say so."""
+        unsent, peer.unsent = peer.unsent, set()
         peer.requests.clear()
         pending, peer.pending = peer.pending, {}
-        for future in pending.values():
+        for request_id, future in pending.items():
             if not future.done():
                 future.set_exception(
-                    PeerUnavailable(f"member={peer.member_id:x} unavailable: {reason}")
+                    PeerUnavailable(
+                        f"member={peer.member_id:x} unavailable: {reason}",
+                        sent=request_id not in unsent,
+                    )
                 )
 
     def _back_off(self, peer: _Peer) -> None:
@@ -416,8 +410,12 @@ class PeerTransport:
 
     # -- serving ------------------------------------------------------------
 
-    async def serve(self, urls: list[str], server_ssl: ssl.SSLContext | None) -> None:
-        """Listen on each peer URL (https ones with `server_ssl`); returns once bound."""
+    async def serve(
+        self, urls: list[str], server_ssl: ssl.SSLContext | None, handler: PeerHandler
+    ) -> None:
+        """Listen on each peer URL (https ones with `server_ssl`) and hand what
+        peers send to `handler`; returns once bound."""
+        self._handler = handler
         for url in urls:
             host, port, tls = _split_url(url)
             if tls and server_ssl is None:
@@ -464,6 +462,7 @@ class PeerTransport:
                     HELLO_HINT,
                 )
                 return
+            assert self._handler is not None  # serving implies a handler
             deliver = self._handler.deliver
             while True:
                 frame = await _read_frame(reader, MAX_FRAME)
@@ -499,6 +498,7 @@ class PeerTransport:
         """Answer one request on the connection it came on. A handler that fails
         leaves the request unanswered: the requester times out, as for a lost one."""
         try:
+            assert self._handler is not None
             answer = await self._handler.answer(request)
         except Exception:
             log.exception("peer request failed member=%x request_id=%d", self.member_id, request.id)

@@ -109,10 +109,10 @@ class Member:
         self.handler = handler or Recorder()
         self.port = port or free_port()
         self.url = url(self.port, scheme)
-        self.transport = PeerTransport(member_id, self.handler, client_ssl=client_ssl)
+        self.transport = PeerTransport(member_id, client_ssl=client_ssl)
 
     async def start(self, server_ssl: ssl.SSLContext | None = None) -> Member:
-        await self.transport.serve([self.url], server_ssl)
+        await self.transport.serve([self.url], server_ssl, self.handler)
         return self
 
 
@@ -212,7 +212,7 @@ class StalledPeer:
 @pytest.fixture
 async def stalled() -> AsyncIterator[tuple[PeerTransport, StalledPeer]]:
     peer = await StalledPeer().start()
-    transport = PeerTransport(A, Recorder())
+    transport = PeerTransport(A)
     transport.set_peer(B, url(peer.port))
     yield transport, peer
     await transport.close()
@@ -284,7 +284,7 @@ async def test_messages_to_an_unknown_member_are_dropped(pair: tuple[Member, Mem
 
 
 async def test_messages_to_a_dead_peer_are_dropped_and_counted() -> None:
-    transport = PeerTransport(A, Recorder())
+    transport = PeerTransport(A)
     transport.set_peer(B, url(free_port()))
     try:
         transport.send(B, b"lost")
@@ -372,7 +372,7 @@ async def test_concurrent_requests_answered_out_of_order(pair: tuple[Member, Mem
 
 
 async def test_request_to_a_dead_peer_fails_within_its_timeout() -> None:
-    transport = PeerTransport(A, Recorder())
+    transport = PeerTransport(A)
     transport.set_peer(B, url(free_port()))
     loop = asyncio.get_running_loop()
     started = loop.time()

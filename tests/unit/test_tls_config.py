@@ -78,7 +78,7 @@ def test_good_files_load(pki: Pki) -> None:
     c = parse_config(_https(pki, pki.server.cert, pki.server.key, pki.ca))
     creds = load_credentials(c)
     assert creds.client_server is not None
-    assert creds.peer_server is None and creds.peer_channel is None
+    assert creds.peer_server is None and creds.peer_client is None
 
 
 def test_bad_files_are_named(pki: Pki, tmp_path: Path) -> None:
@@ -110,6 +110,6 @@ def test_peer_files_checked_for_https_peers(pki: Pki, tmp_path: Path) -> None:
     argv += ["--listen-peer-urls", "https://127.0.0.1:2380"]
     argv += ["--peer-cert-file", str(pki.server.cert), "--peer-key-file", str(pki.server.key)]
     creds = load_credentials(parse_config([*argv, "--peer-trusted-ca-file", str(pki.ca)]))
-    assert creds.peer_server is not None and creds.peer_channel is not None
+    assert creds.peer_server is not None and creds.peer_client is not None
     with pytest.raises(TLSError, match="cannot read --peer-trusted-ca-file"):
         load_credentials(parse_config([*argv, "--peer-trusted-ca-file", str(tmp_path / "x")]))
