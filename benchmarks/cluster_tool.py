@@ -32,10 +32,10 @@ The workloads:
   written after its restart, read serializably) before the next kill. At the end every put
   that was answered OK is read back through every member (linearizable): any missing or changed
   value is a lost put and fails the row. The rate columns show the median seconds.
-- `queue`: tools/queue-bench against the followers: our etcd-key queue (`mq`: one producer
-  goroutine-pool, 4 consumers, one put and one delete per message) vs etcd's queue recipe
+- `queue`: tools/queue-bench against the followers: our etcd-key queue (`mq`: 4 producer
+  goroutines, 4 consumers, one put and one delete per message) vs etcd's queue recipe
   (`recipe`: prefix watches, claim by mod_revision Txn) with the same producer and consumer
-  counts. The producers use one follower, the consumers both (round robin), so every write and
+  counts. The driver is built from this checkout unless `--queue-tool` names one. The producers use one follower, the consumers both (round robin), so every write and
   every assignment crosses to the leader. The driver checks each message is received once.
 
 Every run is bounded in count and time: the tool's `--total` and a subprocess timeout after
@@ -90,6 +90,7 @@ from benchmarks.etcd_tool import (
     process_tree_cpu,
     run_tool_on,
 )
+from benchmarks.queue_tool import build_tool as build_queue_tool
 from etcdserverpb import rpc_pb2, rpc_pb2_grpc
 
 CLUSTER_SIZE = 3
@@ -103,7 +104,6 @@ FULL_RUN_TIMEOUT = 600.0
 QUEUE_SETUP_TIMEOUT = 60.0
 KILL_MARGIN = 60.0
 """Seconds past the queue driver's own bounds after which it is killed."""
-DEFAULT_QUEUE_TOOL = Path("/tmp/tools/queue-bench")
 
 ATTEMPT_INTERVAL = 0.005
 """The failover probe sends a put this often: the resolution of a failover sample."""
@@ -859,7 +859,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--queue-tool",
         type=Path,
         default=None,
-        help=f"tools/queue-bench, built (default {DEFAULT_QUEUE_TOOL}); only the queue row",
+        help="tools/queue-bench, built from this checkout (default: build it into a temporary "
+        "directory with scripts/build_queue_bench.sh); only the queue row",
     )
     p.add_argument("--etcd", default=None, help="the etcd binary (default: etcd on PATH)")
     p.add_argument(
@@ -894,9 +895,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"etcd benchmark tool not found ({args.tool or DEFAULT_TOOL}); {BUILD_HINT}")
     args.tool = tool
     if "queue" in modes:
-        args.queue_tool = args.queue_tool or DEFAULT_QUEUE_TOOL
-        if not args.queue_tool.exists():
+        if args.queue_tool is not None and not args.queue_tool.exists():
             p.error(f"no queue driver at {args.queue_tool}: scripts/build_queue_bench.sh OUT")
+        if args.queue_tool is None and shutil.which("go") is None:
+            p.error("no go on PATH to build tools/queue-bench, and no --queue-tool")
     args.etcd = args.etcd or shutil.which("etcd")
     if not args.etcd:
         p.error("no etcd binary (apt-get install etcd-server, or --etcd PATH)")
@@ -938,6 +940,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     mode = "quick" if args.quick else "full"
     started = time.monotonic()
+    build_dir: Path | None = None
+    if args.queue_tool is None and any(w.mode == "queue" for w in args.workload_list):
+        # Built from this checkout: an older build lacks --producer-endpoints.
+        build_dir = Path(tempfile.mkdtemp(prefix="cluster-tool-build-"))
+        args.queue_tool = build_queue_tool(build_dir)
+    try:
+        return run_all(args, mode, started)
+    finally:
+        if build_dir is not None:
+            shutil.rmtree(build_dir, ignore_errors=True)
+
+
+def run_all(args: argparse.Namespace, mode: str, started: float) -> int:
     meta: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         "mode": mode,
