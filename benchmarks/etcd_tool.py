@@ -252,6 +252,41 @@ class StartupRejected(RuntimeError):
         self.log_text = log_text
 
 
+@dataclass(frozen=True)
+class Membership:
+    """A server as one member of a cluster on loopback: its name, its peer port, and every
+    member's `name=peer-url` (the same flags for ours and for etcd)."""
+
+    name: str
+    peer_port: int
+    initial_cluster: str
+    token: str = "bench-cluster"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    def args(self) -> list[str]:
+        return [
+            "--name",
+            self.name,
+            "--listen-peer-urls",
+            self.peer_url,
+            "--initial-advertise-peer-urls",
+            self.peer_url,
+            "--initial-cluster",
+            self.initial_cluster,
+            "--initial-cluster-token",
+            self.token,
+        ]
+
+
+def single_member(name: str) -> Membership:
+    """A cluster of one (what etcd needs for its own peer flags when it runs alone)."""
+    port = free_port()
+    return Membership(name, port, f"{name}=http://127.0.0.1:{port}")
+
+
 class Server:
     """One server process under test, on a free loopback port, data in `work_dir`."""
 
@@ -283,6 +318,18 @@ class Server:
         raise NotImplementedError
 
     def start(self) -> None:
+        """Launch, and wait until it answers `etcdctl endpoint health` (stopped if it does not)."""
+        self.launch()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def launch(self) -> None:
+        """Start the process without waiting for it to serve: the members of a cluster are all
+        launched before any can answer health (which needs a leader). A relaunch (after
+        `kill`) keeps the ports and the data dir and appends to the same log."""
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
                 self.command(),
@@ -293,11 +340,6 @@ class Server:
                 env=self.env,
                 start_new_session=True,
             )
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
 
     def etcdctl_run(self, *args: str, timeout: float = 5.0) -> subprocess.CompletedProcess[str]:
         env = {**os.environ, "ETCDCTL_API": "3"}
@@ -346,6 +388,18 @@ class Server:
                 os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=STOP_TIMEOUT)
 
+    def kill(self) -> None:
+        """SIGKILL by pid (a crash: no clean shutdown), and reap it (bounded)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=STOP_TIMEOUT)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def log_tail(self, lines: int = 15) -> str:
         try:
             text = self.log_path.read_text(errors="replace")
@@ -356,10 +410,17 @@ class Server:
 
 class OursServer(Server):
     def __init__(
-        self, work_dir: Path, etcdctl: str, transport: str | None, source: Path = REPO_ROOT
+        self,
+        work_dir: Path,
+        etcdctl: str,
+        transport: str | None,
+        source: Path = REPO_ROOT,
+        membership: Membership | None = None,
     ) -> None:
+        """Without `membership`, a single member on its local log."""
         super().__init__("ours", work_dir, etcdctl)
         self.transport = transport
+        self.membership = membership
         # Run the queue_server package found in `source` (a checkout), ahead of any install.
         self.cwd = source
         self.env["PYTHONPATH"] = os.pathsep.join(
@@ -380,33 +441,31 @@ class OursServer(Server):
         ]
         if self.transport is not None:
             cmd += ["--grpc-transport", self.transport]
+        if self.membership is not None:
+            cmd += self.membership.args()
         return cmd
 
 
 class EtcdServer(Server):
-    def __init__(self, work_dir: Path, etcdctl: str, binary: str) -> None:
+    def __init__(
+        self, work_dir: Path, etcdctl: str, binary: str, membership: Membership | None = None
+    ) -> None:
+        """Without `membership`, a cluster of one named `bench`. etcd's own defaults otherwise
+        (heartbeat 100 ms, election timeout 1000 ms, as ours)."""
         super().__init__("etcd", work_dir, etcdctl)
         self.binary = binary
-        self.peer_port = free_port()
+        self.membership = membership or single_member("bench")
 
     def command(self) -> list[str]:
-        peer = f"http://127.0.0.1:{self.peer_port}"
         return [
             self.binary,
-            "--name",
-            "bench",
             "--data-dir",
             str(self.work_dir / "etcd-data"),
             "--listen-client-urls",
             self.url,
             "--advertise-client-urls",
             self.url,
-            "--listen-peer-urls",
-            peer,
-            "--initial-advertise-peer-urls",
-            peer,
-            "--initial-cluster",
-            f"bench={peer}",
+            *self.membership.args(),
         ]
 
 
@@ -485,14 +544,33 @@ def run_tool(
     tool: str, server: Server, wl: Workload, n: int, timeout: float, work_dir: Path
 ) -> RunResult:
     """Run the tool once against a ready `server`; measure the server's CPU over the run."""
-    cmd = [tool, f"--endpoints={server.endpoint}", *wl.args(n)]
-    res = RunResult(server=server.kind, workload=wl.name, command=cmd, ok=False)
-    out_path = work_dir / f"{wl.name}-{server.kind}.tool.out"
-    err_path = work_dir / f"{wl.name}-{server.kind}.tool.err"
+    return run_tool_on(tool, [server], server.endpoint, wl, n, timeout, work_dir)
+
+
+def run_tool_on(
+    tool: str,
+    servers: Sequence[Server],
+    endpoints: str,
+    wl: Workload,
+    n: int,
+    timeout: float,
+    work_dir: Path,
+) -> RunResult:
+    """Run the tool once with `--endpoints=endpoints`; `servers` (all of one kind: the members
+    of a cluster, or one server) are measured, their CPU summed over the run."""
+    kind = servers[0].kind
+    cmd = [tool, f"--endpoints={endpoints}", *wl.args(n)]
+    res = RunResult(server=kind, workload=wl.name, command=cmd, ok=False)
+    out_path = work_dir / f"{wl.name}-{kind}.tool.out"
+    err_path = work_dir / f"{wl.name}-{kind}.tool.err"
+
+    def servers_cpu() -> float:
+        return sum(process_tree_cpu(s.pid) for s in servers)
+
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         tool_cpu0 = children_cpu()
         busy0 = machine_busy_cpu()
-        cpu0 = process_tree_cpu(server.pid)
+        cpu0 = servers_cpu()
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
         try:
@@ -502,7 +580,7 @@ def run_tool(
             proc.kill()
             proc.wait(timeout=STOP_TIMEOUT)
         res.wall_s = time.monotonic() - t0
-        res.server_cpu_s = process_tree_cpu(server.pid) - cpu0
+        res.server_cpu_s = servers_cpu() - cpu0
         res.tool_cpu_s = children_cpu() - tool_cpu0
         res.other_cpu_s = max(machine_busy_cpu() - busy0 - res.server_cpu_s - res.tool_cpu_s, 0.0)
     text = out_path.read_text(errors="replace")
@@ -516,9 +594,10 @@ def run_tool(
         res.error = "no Requests/sec in the tool's output"
     else:
         res.ok = True
-    if server.proc is not None and server.proc.poll() is not None:
-        res.ok = False
-        res.error = f"server exited with code {server.proc.returncode} during the run"
+    for server in servers:
+        if server.proc is not None and server.proc.poll() is not None:
+            res.ok = False
+            res.error = f"server exited with code {server.proc.returncode} during the run"
     if res.wall_s and res.other_cpu_s / res.wall_s > OTHER_CPU_WARN:
         res.notes.append(
             f"other processes used {res.other_cpu_s:.1f} CPU-s during the run "

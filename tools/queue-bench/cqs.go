@@ -290,7 +290,7 @@ func cqsDequeueRun(f *cqsFlags, o *output, errs *errorLog) {
 	var batchLat []int64
 
 	var w window
-	w.open(f.serverPid)
+	w.open(f.serverPids)
 	start := w.t0
 	var wg sync.WaitGroup
 	for c := 0; c < f.consumers; c++ {
@@ -432,7 +432,7 @@ func cqsReEnqueueRun(f *cqsFlags, o *output, errs *errorLog) {
 	defer stopMeasure()
 	var sent atomic.Int64
 	var w window
-	w.open(f.serverPid)
+	w.open(f.serverPids)
 	stopProgress := make(chan struct{})
 	progress(f.progress, stopProgress, func() string {
 		s := sent.Load()

@@ -102,7 +102,10 @@ type common struct {
 	timeout      time.Duration
 	setupTimeout time.Duration
 	rpcTimeout   time.Duration
-	serverPid    int
+	serverPid    string
+	serverPids   []int
+	producerEPs  string
+	consumerEPs  string
 	total        int
 	valueSize    int
 	label        string
@@ -116,7 +119,9 @@ func addCommon(fs *flag.FlagSet, c *common, total int) {
 	fs.DurationVar(&c.timeout, "timeout", 120*time.Second, "bound of the measured phase: the run fails if it is not done by then")
 	fs.DurationVar(&c.setupTimeout, "setup-timeout", 60*time.Second, "bound of the setup (connect, watches, prefill)")
 	fs.DurationVar(&c.rpcTimeout, "rpc-timeout", 30*time.Second, "deadline of each unary call")
-	fs.IntVar(&c.serverPid, "server-pid", 0, "pid of the server: its CPU time (and its descendants') is read from /proc over the measured phase")
+	fs.StringVar(&c.serverPid, "server-pid", "", "pid of the server, or comma-separated pids (the members of a cluster): their CPU time (and their descendants') is read from /proc over the measured phase and summed")
+	fs.StringVar(&c.producerEPs, "producer-endpoints", "", "comma-separated host:port the producers use, spread round robin (default: --endpoint)")
+	fs.StringVar(&c.consumerEPs, "consumer-endpoints", "", "comma-separated host:port the consumers (watches and acks or claims) use, spread round robin (default: --endpoint)")
 	fs.IntVar(&c.total, "total", total, "messages (items, notifications) in the run")
 	fs.IntVar(&c.valueSize, "value-size", 256, "bytes per message value (at least 16: send time and number)")
 	fs.StringVar(&c.label, "label", "", "free text copied into the JSON output")
@@ -137,7 +142,25 @@ func (c *common) validate() error {
 	if c.timeout <= 0 || c.setupTimeout <= 0 || c.rpcTimeout <= 0 {
 		return errors.New("timeouts must be positive")
 	}
+	for _, field := range splitList(c.serverPid) {
+		pid, err := strconv.Atoi(field)
+		if err != nil || pid <= 0 {
+			return fmt.Errorf("--server-pid: %q is not a pid", field)
+		}
+		c.serverPids = append(c.serverPids, pid)
+	}
 	return nil
+}
+
+// splitList splits a comma-separated flag value, dropping empty fields.
+func splitList(s string) []string {
+	var out []string
+	for _, f := range strings.Split(s, ",") {
+		if f = strings.TrimSpace(f); f != "" {
+			out = append(out, f)
+		}
+	}
+	return out
 }
 
 func parseFlags(fs *flag.FlagSet, args []string, c *common, check func() error) bool {
@@ -180,6 +203,28 @@ func dial(ctx context.Context, endpoint string, n int) ([]*grpc.ClientConn, erro
 		conns = append(conns, conn)
 	}
 	return conns, nil
+}
+
+// dialRole dials the connections of one role (producers or consumers): at least n, spread round
+// robin over the comma-separated endpoints of `list`. An empty list means the role shares
+// `fallback` (the --endpoint connections); the caller closes only what this dialled (`own`).
+func dialRole(ctx context.Context, list string, n int, fallback []*grpc.ClientConn) (conns []*grpc.ClientConn, own bool, err error) {
+	eps := splitList(list)
+	if len(eps) == 0 {
+		return fallback, false, nil
+	}
+	if n < len(eps) {
+		n = len(eps)
+	}
+	for i := 0; i < n; i++ {
+		c, err := dial(ctx, eps[i%len(eps)], 1)
+		if err != nil {
+			closeAll(conns)
+			return nil, false, err
+		}
+		conns = append(conns, c...)
+	}
+	return conns, true, nil
 }
 
 func closeAll(conns []*grpc.ClientConn) {
@@ -259,19 +304,32 @@ func selfCPU() float64 {
 	return tv(ru.Utime) + tv(ru.Stime)
 }
 
-// window measures the measured phase: wall time, the server's CPU and this process's CPU.
+// window measures the measured phase: wall time, the servers' CPU and this process's CPU.
 type window struct {
-	serverPid  int
+	serverPids []int
 	t0, t1     time.Time
 	srv0, srv1 float64
 	srvOK      bool
 	cli0, cli1 float64
 }
 
-func (w *window) open(serverPid int) {
-	w.serverPid = serverPid
-	if serverPid > 0 {
-		w.srv0, w.srvOK = processTreeCPU(serverPid)
+// serversCPU is the CPU seconds of every pid's process tree, summed; false if one is unreadable.
+func serversCPU(pids []int) (float64, bool) {
+	var total float64
+	for _, pid := range pids {
+		s, ok := processTreeCPU(pid)
+		if !ok {
+			return 0, false
+		}
+		total += s
+	}
+	return total, true
+}
+
+func (w *window) open(serverPids []int) {
+	w.serverPids = serverPids
+	if len(serverPids) > 0 {
+		w.srv0, w.srvOK = serversCPU(serverPids)
 	}
 	w.cli0 = selfCPU()
 	w.t0 = time.Now()
@@ -286,7 +344,7 @@ func (w *window) close(end time.Time) {
 	w.cli1 = selfCPU()
 	if w.srvOK {
 		var ok bool
-		w.srv1, ok = processTreeCPU(w.serverPid)
+		w.srv1, ok = serversCPU(w.serverPids)
 		w.srvOK = ok
 	}
 }
@@ -297,6 +355,8 @@ type output struct {
 	Workload           string             `json:"workload"`
 	Label              string             `json:"label,omitempty"`
 	Endpoint           string             `json:"endpoint"`
+	ProducerEndpoints  []string           `json:"producer_endpoints,omitempty"`
+	ConsumerEndpoints  []string           `json:"consumer_endpoints,omitempty"`
 	OK                 bool               `json:"ok"`
 	Failures           []string           `json:"failures"`
 	Params             map[string]any     `json:"params"`
@@ -306,7 +366,7 @@ type output struct {
 	PerSecond          float64            `json:"per_second"`
 	LatencyOf          string             `json:"latency_of,omitempty"`
 	LatencyMs          map[string]float64 `json:"latency_ms,omitempty"`
-	ServerPid          int                `json:"server_pid,omitempty"`
+	ServerPids         []int              `json:"server_pids,omitempty"`
 	ServerCPUSeconds   *float64           `json:"server_cpu_s"`
 	ServerCPUUsPerUnit *float64           `json:"server_cpu_us_per_unit"`
 	ClientCPUSeconds   float64            `json:"client_cpu_s"`
@@ -317,14 +377,16 @@ type output struct {
 
 func newOutput(workload string, c *common, unit string) *output {
 	return &output{
-		Workload:  workload,
-		Label:     c.label,
-		Endpoint:  c.endpoint,
-		Failures:  []string{},
-		Params:    map[string]any{},
-		Unit:      unit,
-		Counts:    map[string]int64{},
-		ServerPid: c.serverPid,
+		Workload:          workload,
+		Label:             c.label,
+		Endpoint:          c.endpoint,
+		ProducerEndpoints: splitList(c.producerEPs),
+		ConsumerEndpoints: splitList(c.consumerEPs),
+		Failures:          []string{},
+		Params:            map[string]any{},
+		Unit:              unit,
+		Counts:            map[string]int64{},
+		ServerPids:        c.serverPids,
 	}
 }
 
@@ -352,8 +414,8 @@ func (o *output) finish(w *window, count int64) {
 			per := s * 1e6 / float64(count)
 			o.ServerCPUUsPerUnit = &per
 		}
-	} else if w.serverPid > 0 {
-		o.fail("could not read the CPU time of server pid %d from /proc", w.serverPid)
+	} else if len(w.serverPids) > 0 {
+		o.fail("could not read the CPU time of server pid(s) %v from /proc", w.serverPids)
 	}
 }
 

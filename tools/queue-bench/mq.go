@@ -104,6 +104,22 @@ func mqRun(f *mqFlags, o *output, errs *errorLog) {
 		return
 	}
 	defer closeAll(conns)
+	pconns, ownP, err := dialRole(setup, f.producerEPs, f.conns, conns)
+	if err != nil {
+		o.fail("producers: %v", err)
+		return
+	}
+	if ownP {
+		defer closeAll(pconns)
+	}
+	cconns, ownC, err := dialRole(setup, f.consumerEPs, f.conns, conns)
+	if err != nil {
+		o.fail("consumers: %v", err)
+		return
+	}
+	if ownC {
+		defer closeAll(cconns)
+	}
 	kv := pb.NewKVClient(conns[0])
 	prefix := "/q/" + f.queue + "/"
 
@@ -123,7 +139,7 @@ func mqRun(f *mqFlags, o *output, errs *errorLog) {
 	consumers := make([]*mqConsumer, f.consumers)
 	for i := range consumers {
 		id := uuid.New().String()
-		c := &mqConsumer{id: id, key: []byte(prefix + "c/" + id), conn: conns[i%len(conns)],
+		c := &mqConsumer{id: id, key: []byte(prefix + "c/" + id), conn: cconns[i%len(cconns)],
 			acks: make(chan []byte, 1<<16)}
 		c.stream, err = openWatch(run, c.conn, &pb.WatchCreateRequest{Key: c.key}, f.setupTimeout)
 		if err != nil {
@@ -163,7 +179,7 @@ func mqRun(f *mqFlags, o *output, errs *errorLog) {
 	defer stopMeasure()
 
 	var w window
-	w.open(f.serverPid)
+	w.open(f.serverPids)
 	start := w.t0
 	since := func() int64 { return time.Since(start).Nanoseconds() }
 
@@ -273,7 +289,7 @@ func mqRun(f *mqFlags, o *output, errs *errorLog) {
 
 	var nextBatch atomic.Int64
 	for p := 0; p < f.producers; p++ {
-		pkv := pb.NewKVClient(conns[p%len(conns)])
+		pkv := pb.NewKVClient(pconns[p%len(pconns)])
 		workers.Add(1)
 		go func() {
 			defer workers.Done()

@@ -125,6 +125,22 @@ func recipeRun(f *recipeFlags, o *output, errs *errorLog) {
 		return
 	}
 	defer closeAll(conns)
+	pconns, ownP, err := dialRole(setup, f.producerEPs, f.conns, conns)
+	if err != nil {
+		o.fail("producers: %v", err)
+		return
+	}
+	if ownP {
+		defer closeAll(pconns)
+	}
+	cconns, ownC, err := dialRole(setup, f.consumerEPs, f.conns, conns)
+	if err != nil {
+		o.fail("consumers: %v", err)
+		return
+	}
+	if ownC {
+		defer closeAll(cconns)
+	}
 	kv := pb.NewKVClient(conns[0])
 	prefix := []byte(f.prefix)
 	end := prefixEnd(prefix)
@@ -137,7 +153,7 @@ func recipeRun(f *recipeFlags, o *output, errs *errorLog) {
 	defer stopRun()
 	consumers := make([]*recipeConsumer, f.consumers)
 	for i := range consumers {
-		c := &recipeConsumer{conn: conns[i%len(conns)], pending: map[string]int64{}, wake: make(chan struct{}, 1)}
+		c := &recipeConsumer{conn: cconns[i%len(cconns)], pending: map[string]int64{}, wake: make(chan struct{}, 1)}
 		c.stream, err = openWatch(run, c.conn, &pb.WatchCreateRequest{Key: prefix, RangeEnd: end}, f.setupTimeout)
 		if err != nil {
 			o.fail("consumer %d: %v", i, err)
@@ -157,7 +173,7 @@ func recipeRun(f *recipeFlags, o *output, errs *errorLog) {
 	defer stopMeasure()
 
 	var w window
-	w.open(f.serverPid)
+	w.open(f.serverPids)
 	start := w.t0
 	since := func() int64 { return time.Since(start).Nanoseconds() }
 
@@ -253,7 +269,7 @@ func recipeRun(f *recipeFlags, o *output, errs *errorLog) {
 
 	var next atomic.Int64
 	for p := 0; p < f.producers; p++ {
-		pkv := pb.NewKVClient(conns[p%len(conns)])
+		pkv := pb.NewKVClient(pconns[p%len(pconns)])
 		workers.Add(1)
 		go func() {
 			defer workers.Done()

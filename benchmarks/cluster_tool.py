@@ -1,0 +1,1005 @@
+"""Cluster rows: a 3-member cluster of ours beside a 3-member etcd, driven by Go clients.
+
+Run it with::
+
+    bash ../shared/tools/etcd-benchmark/build.sh /tmp/tools/etcd-benchmark   # once
+    scripts/build_queue_bench.sh /tmp/tools/queue-bench                      # once
+    python -m benchmarks.cluster_tool [--quick] [--workloads put-spread,failover,...] \\
+        [--tool PATH] [--queue-tool PATH] [--etcd PATH] [--kills N] [--out FILE.md] \\
+        [--json FILE] [--ours-dir CHECKOUT] [--timeout SECONDS]
+
+What it owns: for each workload it starts a fresh 3-member cluster of ours (`queue-server
+--name nI --initial-cluster ... --listen-peer-urls ...`), then, once ours is stopped, a fresh
+3-member etcd (Debian's 3.4, its default heartbeat 100 ms and election timeout 1000 ms, as
+ours). Each member has its own temporary data dir and free 127.0.0.1 client and peer ports. It
+launches all three, waits until each answers `etcdctl endpoint health` and all name one leader
+(`etcdctl endpoint status`: `leader` against `header.member_id`), both bounded, runs the
+workload, and stops each member by its own pid. The two clusters never run at the same time.
+Server CPU is the three members' user+system time (with descendants, from /proc) over the run.
+
+The workloads:
+
+- `put-spread`: etcd's tool, `put` with 64 clients on 8 connections, endpoints = all three
+  members (the tool spreads its connections over them; a follower hands a put to the leader).
+- `put-leader`: the same with the leader as the only endpoint.
+- `range-follower`: the tool's linearizable `range` of one key (put first) against one
+  follower: every read costs that follower a ReadIndex round trip to the leader.
+- `failover`: `FailoverProbe` puts a key every `ATTEMPT_INTERVAL` round robin over the two
+  followers (gRPC futures, each with its own deadline, so a hanging put does not hold back the
+  next); after a steady phase the leader is SIGKILLed by pid; the sample is the time from the
+  kill to the first success of a put *sent after the kill* (only a new leader can commit it).
+  The killed member is restarted with its data dir and must catch up (it serves a marker key
+  written after its restart, read serializably) before the next kill. At the end every put
+  that was answered OK is read back through every member (linearizable): any missing or changed
+  value is a lost put and fails the row. The rate columns show the median seconds.
+- `queue`: tools/queue-bench against the followers: our etcd-key queue (`mq`: 4 producer
+  goroutines, 4 consumers, one put and one delete per message) vs etcd's queue recipe
+  (`recipe`: prefix watches, claim by mod_revision Txn) with the same producer and consumer
+  counts. The driver is built from this checkout unless `--queue-tool` names one. The producers use one follower, the consumers both (round robin), so every write and
+  every assignment crosses to the leader. The driver checks each message is received once.
+
+Every run is bounded in count and time: the tool's `--total` and a subprocess timeout after
+which it is killed by its pid; every wait for health, a leader, a catch-up or a failover has its
+own deadline. Output: a Markdown table (`--out`) and JSON (`--json`); the Markdown also goes to
+stdout, progress to stderr. Exit status 1 when any run failed or lost a put.
+
+This module imports the server and report helpers of `benchmarks.etcd_tool`, grpc and our
+generated etcd stubs (`etcdserverpb`, for the failover probe); nothing from tests/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from benchmarks.etcd_tool import (
+    BUILD_HINT,
+    DEFAULT_TOOL,
+    OTHER_CPU_WARN,
+    PUT_ARGS,
+    REPO_ROOT,
+    STOP_TIMEOUT,
+    EtcdServer,
+    Membership,
+    OursServer,
+    RunResult,
+    Server,
+    Workload,
+    children_cpu,
+    etcd_version,
+    free_port,
+    git_commit,
+    machine_busy_cpu,
+    process_tree_cpu,
+    run_tool_on,
+)
+from benchmarks.queue_tool import build_tool as build_queue_tool
+from etcdserverpb import rpc_pb2, rpc_pb2_grpc
+
+CLUSTER_SIZE = 3
+LEADER_TIMEOUT = 30.0
+"""Bound on the wait for one leader named by every live member (an election takes 1-2 s)."""
+CATCH_UP_TIMEOUT = 60.0
+"""Bound on a restarted member serving the marker key written after its restart."""
+STATUS_TIMEOUT = 5.0
+QUICK_RUN_TIMEOUT = 120.0
+FULL_RUN_TIMEOUT = 600.0
+QUEUE_SETUP_TIMEOUT = 60.0
+KILL_MARGIN = 60.0
+"""Seconds past the queue driver's own bounds after which it is killed."""
+
+ATTEMPT_INTERVAL = 0.005
+"""The failover probe sends a put this often: the resolution of a failover sample."""
+ATTEMPT_TIMEOUT = 3.0
+"""Each probe put's own deadline: longer than an election, so a put that the new leader commits
+is counted, not abandoned (attempts in flight stay below ATTEMPT_TIMEOUT / ATTEMPT_INTERVAL)."""
+STEADY_PUTS = 50
+"""Successful puts before the kill: the probe runs steadily against a healthy cluster."""
+STEADY_TIMEOUT = 15.0
+FAILOVER_TIMEOUT = 20.0
+"""Bound on the wait for the first successful put after a kill; past it the sample fails."""
+TAIL_S = 0.3
+"""The probe keeps putting this long after the first success (puts the new leader acks)."""
+FAILOVER_TARGET_S = 1.3
+DEFAULT_KILLS = 5
+QUICK_KILLS = 2
+
+QUEUE_FLAGS = ["--consumers=4", "--producers=4", "--inflight=128", "--conns=2"]
+"""Shared by both drivers: 4 producer goroutines with one put in flight each (one producer
+process), 4 consumers, at most 128 messages unacknowledged."""
+
+
+@dataclass(frozen=True)
+class ClusterWorkload:
+    """A row: how it runs (`tool`, `failover`, `queue`), where, and its target."""
+
+    name: str
+    description: str
+    mode: str
+    target: str
+    meets: Callable[[Side, Side], bool | None]
+    tool: Workload | None = None
+    endpoints: str = "all"
+    """For tool rows: `all`, `leader` or `follower`."""
+    full: int = 0
+    quick: int = 0
+
+
+def _ratio_at_least(x: float) -> Callable[[Side, Side], bool | None]:
+    def meets(ours: Side, etcd: Side) -> bool | None:
+        if not ours.ok or not etcd.ok or ours.rate is None or not etcd.rate:
+            return None
+        return ours.rate / etcd.rate >= x
+
+    return meets
+
+
+def _failover_met(ours: Side, _etcd: Side) -> bool | None:
+    if ours.figure_s is None:
+        return None
+    return ours.ok and ours.figure_s <= FAILOVER_TARGET_S
+
+
+PUT64 = ["--conns=8", "--clients=64", "put", *PUT_ARGS]
+
+WORKLOADS: list[ClusterWorkload] = [
+    ClusterWorkload(
+        "put-spread",
+        "put, 64 clients on 8 connections, endpoints = the 3 members",
+        "tool",
+        ">= 0.8x etcd",
+        _ratio_at_least(0.8),
+        Workload("put-spread", "", lambda n: [*PUT64, f"--total={n}"], 30_000, 2_000),
+        endpoints="all",
+    ),
+    ClusterWorkload(
+        "put-leader",
+        "put, 64 clients on 8 connections, endpoint = the leader",
+        "tool",
+        ">= 0.8x etcd",
+        _ratio_at_least(0.8),
+        Workload("put-leader", "", lambda n: [*PUT64, f"--total={n}"], 30_000, 2_000),
+        endpoints="leader",
+    ),
+    ClusterWorkload(
+        "range-follower",
+        "linearizable range of one key, 64 clients on 8 connections, endpoint = a follower",
+        "tool",
+        ">= 1.0x etcd",
+        _ratio_at_least(1.0),
+        Workload(
+            "range-follower",
+            "",
+            lambda n: [
+                "--conns=8",
+                "--clients=64",
+                "range",
+                "foo",
+                "--consistency=l",
+                f"--total={n}",
+            ],
+            40_000,
+            2_000,
+            setup_key="foo",
+        ),
+        endpoints="follower",
+    ),
+    ClusterWorkload(
+        "failover",
+        f"leader SIGKILLed under a put every {ATTEMPT_INTERVAL * 1000:.0f} ms to the followers: "
+        "seconds from the kill to the first successful put sent after it (median)",
+        "failover",
+        f"ours median <= {FAILOVER_TARGET_S} s, no acknowledged put lost",
+        _failover_met,
+    ),
+    ClusterWorkload(
+        "queue",
+        "queue across members: producers on a follower, 4 consumers on both followers "
+        "(msgs/s; ours: etcd-key queue `mq`, etcd: its recipe)",
+        "queue",
+        ">= 5x etcd's recipe",
+        _ratio_at_least(5.0),
+        full=5_000,
+        quick=300,
+    ),
+]
+WORKLOADS_BY_NAME = {w.name: w for w in WORKLOADS}
+
+
+def log(msg: str) -> None:
+    print(f"[cluster_tool {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --- one cluster ---------------------------------------------------------------------------
+
+
+class Cluster:
+    """`CLUSTER_SIZE` members of one kind, each in `root/nI`, bootstrapped together."""
+
+    def __init__(self, kind: str, root: Path, args: argparse.Namespace) -> None:
+        self.kind = kind
+        names = [f"n{i + 1}" for i in range(CLUSTER_SIZE)]
+        peers = {name: free_port() for name in names}
+        initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in peers.items())
+        self.members: list[Server] = []
+        for name in names:
+            work = root / f"{kind}-{name}"
+            work.mkdir(parents=True)
+            m = Membership(name, peers[name], initial, token=f"bench-{kind}")
+            if kind == "ours":
+                self.members.append(OursServer(work, args.etcdctl, None, args.ours_dir, m))
+            else:
+                self.members.append(EtcdServer(work, args.etcdctl, args.etcd, m))
+
+    @property
+    def pids(self) -> list[int]:
+        return [m.pid for m in self.members if m.alive]
+
+    @property
+    def endpoints(self) -> str:
+        return ",".join(m.endpoint for m in self.members)
+
+    def start(self) -> Server:
+        """Launch every member, wait until each is healthy and all name one leader."""
+        try:
+            for m in self.members:
+                m.launch()
+            for m in self.members:
+                m.wait_ready()
+            return self.wait_leader()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+
+    def status(self, m: Server) -> tuple[int, int, int]:
+        """(member_id, leader, revision) as `m` reports them (etcdctl endpoint status)."""
+        r = m.etcdctl_run("endpoint", "status", "-w", "json", timeout=STATUS_TIMEOUT)
+        if r.returncode != 0:
+            raise RuntimeError((r.stderr or r.stdout).strip())
+        st = json.loads(r.stdout)[0]["Status"]
+        return int(st["header"]["member_id"]), int(st["leader"]), int(st["header"]["revision"])
+
+    def wait_leader(self, timeout: float = LEADER_TIMEOUT) -> Server:
+        """The live member that every live member names as leader."""
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            try:
+                live = [m for m in self.members if m.alive]
+                seen = {m: self.status(m) for m in live}
+                leaders = {leader for _id, leader, _rev in seen.values()}
+                if len(leaders) == 1 and 0 not in leaders:
+                    for m, (member_id, _l, _r) in seen.items():
+                        if member_id in leaders:
+                            return m
+                last = f"members name leaders {sorted(leaders)}"
+            except (RuntimeError, subprocess.TimeoutExpired, ValueError, KeyError) as e:
+                last = str(e)
+            time.sleep(0.1)  # poll interval, bounded by the deadline
+        raise TimeoutError(f"{self.kind}: no single leader after {timeout:.0f}s: {last}")
+
+    def followers(self, leader: Server) -> list[Server]:
+        return [m for m in self.members if m is not leader and m.alive]
+
+    def log_tails(self, lines: int = 5) -> str:
+        return " || ".join(f"{m.work_dir.name}: {m.log_tail(lines)}" for m in self.members)
+
+
+# --- a row's result on one cluster ---------------------------------------------------------
+
+
+@dataclass
+class Side:
+    """One cluster's result for one workload (the form every mode reports in)."""
+
+    server: str
+    workload: str
+    ok: bool = False
+    error: str | None = None
+    rate: float | None = None
+    """Requests (messages) per second; None for failover."""
+    figure_s: float | None = None
+    """Failover: the median seconds from kill to first successful put."""
+    requests: int = 0
+    server_cpu_s: float | None = None
+    tool_cpu_s: float | None = None
+    wall_s: float | None = None
+    other_cpu_s: float | None = None
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    command: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def per_request_us(self, cpu_s: float | None) -> float | None:
+        if cpu_s is None or not self.requests:
+            return None
+        return cpu_s * 1e6 / self.requests
+
+    @property
+    def server_us(self) -> float | None:
+        return self.per_request_us(self.server_cpu_s)
+
+    @property
+    def tool_us(self) -> float | None:
+        return self.per_request_us(self.tool_cpu_s)
+
+    def flag_disturbed(self) -> None:
+        if self.wall_s and self.other_cpu_s and self.other_cpu_s / self.wall_s > OTHER_CPU_WARN:
+            self.notes.append(
+                f"other processes used {self.other_cpu_s:.1f} CPU-s during the run "
+                f"({self.other_cpu_s / self.wall_s:.2f} cores): figures may be disturbed"
+            )
+
+
+def side_of_tool(res: RunResult) -> Side:
+    rep = res.report
+    side = Side(
+        server=res.server,
+        workload=res.workload,
+        ok=res.ok,
+        error=res.error,
+        rate=rep.rps if res.ok else None,
+        requests=rep.requests,
+        server_cpu_s=res.server_cpu_s,
+        tool_cpu_s=res.tool_cpu_s,
+        wall_s=res.wall_s,
+        other_cpu_s=res.other_cpu_s,
+        p50_ms=rep.percentiles_ms.get("50"),
+        p99_ms=rep.percentiles_ms.get("99"),
+        command=res.command,
+        notes=list(res.notes),
+        detail={"report": asdict(rep)},
+    )
+    return side
+
+
+# --- tool rows -----------------------------------------------------------------------------
+
+
+def run_tool_row(
+    cw: ClusterWorkload, cluster: Cluster, leader: Server, n: int, args: argparse.Namespace
+) -> Side:
+    assert cw.tool is not None
+    if cw.endpoints == "leader":
+        targets = [leader]
+    elif cw.endpoints == "follower":
+        targets = cluster.followers(leader)[:1]
+    else:
+        targets = cluster.members
+    if cw.tool.setup_key is not None:
+        r = leader.etcdctl_run("put", cw.tool.setup_key, "bar", timeout=20.0)
+        if r.returncode != 0:
+            raise RuntimeError(f"setup put {cw.tool.setup_key} failed: {r.stderr.strip()}")
+    endpoints = ",".join(m.endpoint for m in targets)
+    work = cluster.members[0].work_dir.parent
+    res = run_tool_on(args.tool, cluster.members, endpoints, cw.tool, n, args.timeout, work)
+    side = side_of_tool(res)
+    side.detail["endpoints"] = [m.work_dir.name for m in targets]
+    side.detail["leader"] = leader.work_dir.name
+    return side
+
+
+# --- the queue row -------------------------------------------------------------------------
+
+
+def run_queue_row(cluster: Cluster, leader: Server, n: int, args: argparse.Namespace) -> Side:
+    """queue-bench `mq` (ours) or `recipe` (etcd) with producers and consumers on followers."""
+    followers = cluster.followers(leader)
+    sub = "mq" if cluster.kind == "ours" else "recipe"
+    extra = ["--put-batch=1", "--ack-batch=1", "--acks-in-flight=4"] if sub == "mq" else []
+    cmd = [
+        str(args.queue_tool),
+        sub,
+        f"--total={n}",
+        *QUEUE_FLAGS,
+        *extra,
+        f"--endpoint={followers[0].endpoint}",
+        f"--producer-endpoints={followers[0].endpoint}",
+        f"--consumer-endpoints={','.join(m.endpoint for m in followers)}",
+        f"--server-pid={','.join(str(p) for p in cluster.pids)}",
+        f"--timeout={args.timeout:.0f}s",
+        f"--setup-timeout={QUEUE_SETUP_TIMEOUT:.0f}s",
+        f"--label=queue on {cluster.kind} cluster",
+    ]
+    side = Side(server=cluster.kind, workload="queue", command=cmd)
+    work = cluster.members[0].work_dir.parent
+    out_path = work / f"queue-{cluster.kind}.json"
+    with open(out_path, "wb") as out, open(work / f"queue-{cluster.kind}.err", "wb") as err:
+        busy0, drv0 = machine_busy_cpu(), children_cpu()
+        srv0 = sum(process_tree_cpu(p) for p in cluster.pids)
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+        rc: int | None = None
+        try:
+            rc = proc.wait(timeout=args.timeout + QUEUE_SETUP_TIMEOUT + KILL_MARGIN)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            if proc.poll() is None:  # timed out, or we are being stopped: end it by its pid
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=STOP_TIMEOUT)
+        side.wall_s = time.monotonic() - t0
+        srv_run = sum(process_tree_cpu(p) for p in cluster.pids) - srv0
+        drv_run = children_cpu() - drv0
+        side.other_cpu_s = max(machine_busy_cpu() - busy0 - srv_run - drv_run, 0.0)
+    text = out_path.read_text(errors="replace").strip()
+    driver: dict[str, Any] | None = None
+    if text:
+        try:
+            driver = json.loads(text.splitlines()[-1])
+        except json.JSONDecodeError as e:
+            side.error = f"the driver's output is not JSON ({e}): {text[-300:]}"
+    if rc is None:
+        side.error = f"the driver was killed after {side.wall_s:.0f}s (past its own bounds)"
+    elif driver is None:
+        side.error = side.error or f"the driver exited with code {rc} and no JSON output"
+    elif rc != 0 or not driver.get("ok"):
+        side.error = "; ".join(str(f) for f in driver.get("failures") or [f"exit code {rc}"])
+    else:
+        side.ok = True
+    if driver is not None:
+        # The driver's own window (first produce to last ack/claim) for rate and CPU.
+        side.detail["driver"] = driver
+        side.requests = int(driver.get("count") or 0)
+        side.server_cpu_s = driver.get("server_cpu_s")
+        side.tool_cpu_s = driver.get("client_cpu_s")
+        lat = driver.get("latency_ms") or {}
+        side.p50_ms, side.p99_ms = lat.get("p50"), lat.get("p99")
+        if side.ok:
+            side.rate = float(driver["per_second"])
+        counts = driver.get("counts", {})
+        if "claim_conflicts" in counts:
+            side.notes.append(f"claim conflicts {counts['claim_conflicts']:,}")
+    side.flag_disturbed()
+    return side
+
+
+# --- the failover row ----------------------------------------------------------------------
+
+
+class FailoverProbe:
+    """Puts `/bench/failover/{seq}` every ATTEMPT_INTERVAL, round robin over `endpoints`, each
+    put a gRPC future with its own deadline. Records when each was sent and answered."""
+
+    PREFIX = b"/bench/failover/"
+
+    def __init__(self, endpoints: list[str], seq0: int) -> None:
+        self.channels = [grpc.insecure_channel(e) for e in endpoints]
+        self.stubs = [rpc_pb2_grpc.KVStub(ch) for ch in self.channels]
+        self.seq = seq0
+        self.lock = threading.Lock()
+        self.acked: dict[bytes, bytes] = {}
+        """Every put answered OK: key -> value (all must be readable afterwards)."""
+        self.answered: list[tuple[float, float]] = []
+        """(sent, answered) monotonic times of every successful put."""
+        self.failed = 0
+        self.pending = 0
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="failover-probe", daemon=True)
+
+    def start(self) -> FailoverProbe:
+        self.thread.start()
+        return self
+
+    def _loop(self) -> None:
+        i = 0
+        while not self.stopping.is_set():
+            key = self.PREFIX + b"%010d" % self.seq
+            value = b"v%010d" % self.seq
+            self.seq += 1
+            stub = self.stubs[i % len(self.stubs)]
+            i += 1
+            sent = time.monotonic()
+            fut = stub.Put.future(rpc_pb2.PutRequest(key=key, value=value), timeout=ATTEMPT_TIMEOUT)
+            with self.lock:
+                self.pending += 1
+            fut.add_done_callback(self._done_callback(key, value, sent))
+            self.stopping.wait(ATTEMPT_INTERVAL)
+
+    def _done_callback(self, key: bytes, value: bytes, sent: float) -> Callable[[Any], None]:
+        def done(fut: Any) -> None:
+            now = time.monotonic()
+            ok = fut.exception() is None if not fut.cancelled() else False
+            with self.lock:
+                self.pending -= 1
+                if ok:
+                    self.acked[key] = value
+                    self.answered.append((sent, now))
+                else:
+                    self.failed += 1
+
+        return done
+
+    def successes(self) -> int:
+        with self.lock:
+            return len(self.answered)
+
+    def first_success_after(self, t: float) -> float | None:
+        """When the first put sent at or after `t` was answered OK."""
+        with self.lock:
+            done = [a for s, a in self.answered if s >= t]
+        return min(done) if done else None
+
+    def stop(self) -> None:
+        """Stop sending; wait (bounded) for the puts in flight to be answered or time out."""
+        self.stopping.set()
+        self.thread.join(timeout=STOP_TIMEOUT)
+        deadline = time.monotonic() + ATTEMPT_TIMEOUT + 2.0
+        while time.monotonic() < deadline:
+            with self.lock:
+                if self.pending == 0:
+                    break
+            time.sleep(0.02)
+        for ch in self.channels:
+            ch.close()
+
+
+def wait_until(what: str, cond: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.005)  # poll interval, bounded by the deadline
+    raise TimeoutError(f"{what} not within {timeout:.0f}s")
+
+
+def catch_up(cluster: Cluster, member: Server) -> float:
+    """Relaunch a killed `member`; wait until it is healthy and serves a key written after its
+    restart (a serializable read: its own applied state). Returns the seconds it took."""
+    t0 = time.monotonic()
+    member.launch()
+    member.wait_ready()
+    leader = cluster.wait_leader()
+    marker = f"/bench/catch-up/{time.monotonic_ns()}"
+    r = leader.etcdctl_run("put", marker, "x", timeout=20.0)
+    if r.returncode != 0:
+        raise RuntimeError(f"marker put failed: {r.stderr.strip()}")
+
+    def has_marker() -> bool:
+        got = member.etcdctl_run("get", marker, "--consistency=s", "--print-value-only")
+        return got.returncode == 0 and got.stdout.strip() == "x"
+
+    wait_until(f"{member.work_dir.name} catching up", has_marker, CATCH_UP_TIMEOUT)
+    return time.monotonic() - t0
+
+
+def read_back(member: Server, prefix: bytes) -> dict[bytes, bytes]:
+    """Every key under `prefix`, linearizable, through `member`."""
+    end = prefix[:-1] + bytes([prefix[-1] + 1])
+    with grpc.insecure_channel(member.endpoint) as ch:
+        resp = rpc_pb2_grpc.KVStub(ch).Range(
+            rpc_pb2.RangeRequest(key=prefix, range_end=end), timeout=30.0
+        )
+    return {kv.key: kv.value for kv in resp.kvs}
+
+
+def kill_leader(leader: Server, probe: FailoverProbe, k: int) -> tuple[float, float]:
+    """Once the probe runs steadily, SIGKILL `leader`; wait (bounded) for the first successful
+    put sent after the kill. Returns (seconds from kill to that success, the leader's CPU
+    seconds when it was killed)."""
+    wait_until(
+        f"{STEADY_PUTS} steady puts", lambda: probe.successes() >= STEADY_PUTS, STEADY_TIMEOUT
+    )
+    cpu_at_kill = process_tree_cpu(leader.pid)
+    t_kill = time.monotonic()
+    leader.kill()
+    wait_until(
+        f"a successful put after kill {k}",
+        lambda: probe.first_success_after(t_kill) is not None,
+        FAILOVER_TIMEOUT,
+    )
+    first = probe.first_success_after(t_kill)
+    assert first is not None
+    time.sleep(TAIL_S)  # the new leader acks more puts: they are read back at the end too
+    return first - t_kill, cpu_at_kill
+
+
+def run_failover_row(cluster: Cluster, leader: Server, kills: int) -> Side:
+    side = Side(server=cluster.kind, workload="failover")
+    samples: list[float] = []
+    killed: list[str] = []
+    catch_ups: list[float] = []
+    acked: dict[bytes, bytes] = {}
+    failed_puts = 0
+    seq = 0
+    t_start = time.monotonic()
+    cpu0 = sum(process_tree_cpu(p) for p in cluster.pids)
+    cpu_dead = 0.0
+    for k in range(kills):
+        followers = cluster.followers(leader)
+        probe = FailoverProbe([m.endpoint for m in followers], seq).start()
+        try:
+            sample, cpu_at_kill = kill_leader(leader, probe, k + 1)
+            samples.append(sample)
+            cpu_dead += cpu_at_kill
+            killed.append(leader.work_dir.name)
+        finally:
+            probe.stop()
+            seq = probe.seq
+            acked.update(probe.acked)
+            failed_puts += probe.failed
+        log(
+            f"  {cluster.kind}: kill {k + 1}/{kills} of {killed[-1]}: first put after "
+            f"{samples[-1]:.3f} s ({len(probe.acked)} puts acked, {probe.failed} failed)"
+        )
+        dead = leader
+        catch_ups.append(catch_up(cluster, dead))
+        leader = cluster.wait_leader()
+    side.wall_s = time.monotonic() - t_start
+    side.server_cpu_s = sum(process_tree_cpu(p) for p in cluster.pids) - cpu0 + cpu_dead
+    lost: list[str] = []
+    for m in cluster.members:
+        got = read_back(m, FailoverProbe.PREFIX)
+        missing = [k for k, v in acked.items() if got.get(k) != v]
+        if missing:
+            lost.append(f"{m.work_dir.name}: {len(missing)} (first {missing[0]!r})")
+    side.figure_s = statistics.median(samples)
+    side.requests = len(acked)
+    side.detail = {
+        "samples_s": [round(s, 4) for s in samples],
+        "median_s": side.figure_s,
+        "killed": killed,
+        "catch_up_s": [round(c, 2) for c in catch_ups],
+        "acked_puts": len(acked),
+        "failed_or_timed_out_puts": failed_puts,
+        "lost_puts": lost,
+        "attempt_interval_s": ATTEMPT_INTERVAL,
+        "attempt_timeout_s": ATTEMPT_TIMEOUT,
+    }
+    side.notes.append(
+        "samples " + ", ".join(f"{s:.2f}" for s in samples) + f" s; {len(acked):,} puts acked, "
+        f"{failed_puts:,} failed or timed out (not acknowledged), lost: "
+        + ("; ".join(lost) if lost else "none")
+    )
+    if lost:
+        side.error = "acknowledged puts lost: " + "; ".join(lost)
+    else:
+        side.ok = True
+    return side
+
+
+# --- one row on one cluster ----------------------------------------------------------------
+
+
+def run_on(kind: str, cw: ClusterWorkload, args: argparse.Namespace, root: Path) -> Side:
+    """A fresh cluster of `kind`, one measured run of `cw`, then stop every member by pid."""
+    n = cw.quick if args.quick else cw.full
+    if cw.tool is not None:
+        n = cw.tool.quick if args.quick else cw.tool.full
+    cluster: Cluster | None = None
+    try:
+        cluster = Cluster(kind, root, args)
+        leader = cluster.start()
+        log(
+            f"  {kind} cluster ready: "
+            + ", ".join(f"{m.work_dir.name} {m.endpoint} pid {m.pid}" for m in cluster.members)
+            + f"; leader {leader.work_dir.name}"
+        )
+        if cw.mode == "tool":
+            side = run_tool_row(cw, cluster, leader, n, args)
+        elif cw.mode == "queue":
+            side = run_queue_row(cluster, leader, n, args)
+        else:
+            side = run_failover_row(cluster, leader, args.kills)
+    except Exception as e:
+        side = Side(server=kind, workload=cw.name, error=f"{type(e).__name__}: {e}")
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    if not side.ok and cluster is not None:
+        side.notes.append(f"member log tails: {cluster.log_tails(3)}")
+    return side
+
+
+# --- output --------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    workload: ClusterWorkload
+    ours: Side
+    etcd: Side
+
+    @property
+    def ratio(self) -> float | None:
+        if self.workload.mode == "failover":
+            a, b = self.ours.figure_s, self.etcd.figure_s
+        else:
+            a, b = self.ours.rate, self.etcd.rate
+        if not self.ours.ok or not self.etcd.ok or a is None or not b:
+            return None
+        return a / b
+
+    @property
+    def met(self) -> bool | None:
+        return self.workload.meets(self.ours, self.etcd)
+
+
+def _num(x: float | None, fmt: str = "{:,.0f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def _rate(s: Side) -> str:
+    if not s.ok:
+        return "FAILED"
+    if s.figure_s is not None:
+        return f"{s.figure_s:.2f} s"
+    return _num(s.rate)
+
+
+def _lat(s: Side) -> str:
+    if not s.ok or s.p50_ms is None:
+        return "—"
+    return f"{s.p50_ms:.1f} / {_num(s.p99_ms, '{:.1f}')}"
+
+
+def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
+    lines = [
+        "# 3-member clusters: queue-server vs etcd, driven by Go clients",
+        "",
+        f"{meta['date']}; {meta['mode']} mode; {meta['cpus']} CPUs (all 3 members and the "
+        f"client on them); load average at start {meta['load_average_at_start']}; etcd "
+        f"{meta['etcd_version']}; our server from {meta['ours_dir']} at commit "
+        f"{meta['commit']}. Generated by `python -m benchmarks.cluster_tool"
+        f"{' --quick' if meta['mode'] == 'quick' else ''}`.",
+        "",
+        "| workload | etcd | ours | ours/etcd | target | met | server CPU µs/req, 3 members "
+        "(etcd / ours) | tool CPU µs/req (etcd / ours) | p50 / p99 ms etcd | p50 / p99 ms ours |",
+        "|---|--:|--:|--:|---|---|--:|--:|--:|--:|",
+    ]
+    for row in rows:
+        o, e = row.ours, row.etcd
+        met = row.met
+        failover = row.workload.mode == "failover"
+        cpu = "—" if failover else f"{_num(e.server_us)} / {_num(o.server_us)}"
+        tool = "—" if failover else f"{_num(e.tool_us)} / {_num(o.tool_us)}"
+        ratio = _num(row.ratio, "{:.2f}") + (" (time)" if failover and row.ratio else "")
+        lines.append(
+            f"| {row.workload.name} | {_rate(e)} | {_rate(o)} | {ratio} | {row.workload.target} | "
+            f"{'—' if met is None else 'yes' if met else 'no'} | {cpu} | {tool} | {_lat(e)} | "
+            f"{_lat(o)} |"
+        )
+    lines += ["", "Each row:", ""]
+    for row in rows:
+        lines.append(f"- **{row.workload.name}**: {row.workload.description}.")
+        for s in (row.etcd, row.ours):
+            parts: list[str] = []
+            if not s.ok:
+                parts.append(f"FAILED: {s.error}")
+            if s.command:
+                shown = [a for a in s.command[1:] if not a.startswith(("--server-pid", "--label"))]
+                parts.append(f"`{Path(s.command[0]).name} {' '.join(shown)}`")
+            if "endpoints" in s.detail:
+                parts.append(
+                    f"endpoints {', '.join(s.detail['endpoints'])} (leader {s.detail['leader']})"
+                )
+            if s.ok and s.rate is not None:
+                parts.append(
+                    f"{s.requests:,} in {_num(s.wall_s, '{:.1f}')} s wall; server CPU "
+                    f"{_num(s.server_cpu_s, '{:.1f}')} s, tool CPU {_num(s.tool_cpu_s, '{:.1f}')} s"
+                )
+            parts += [n.replace("|", "/") for n in s.notes]
+            lines.append(f"  - {s.server}: " + "; ".join(parts))
+    lines += [
+        "",
+        "Each cluster is 3 fresh members on 127.0.0.1 (new data dirs, fsync on, default "
+        "settings: heartbeat 100 ms, election 1000 ms for both), started per row and stopped "
+        "by pid before the other kind starts. Server CPU is the 3 members' user+system over "
+        "the run (/proc); the queue row's rate and CPU are over the driver's measured phase. "
+        "Failover: the rate columns are the median seconds from SIGKILL of the leader to the "
+        "first successful put sent after it; ratio ours/etcd of those seconds (lower is "
+        "better).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def to_json(rows: list[Row], meta: dict[str, Any]) -> dict[str, Any]:
+    out = []
+    for row in rows:
+        entry: dict[str, Any] = {
+            "workload": row.workload.name,
+            "mode": row.workload.mode,
+            "target": row.workload.target,
+            "ours_over_etcd": row.ratio,
+            "met": row.met,
+        }
+        for s in (row.ours, row.etcd):
+            d = asdict(s)
+            d["server_cpu_us_per_request"] = s.server_us
+            d["tool_cpu_us_per_request"] = s.tool_us
+            entry[s.server] = d
+        out.append(entry)
+    return {"meta": meta, "rows": out}
+
+
+# --- main ----------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.cluster_tool",
+        description="3-member clusters of queue-server and etcd side by side, Go clients.",
+    )
+    p.add_argument("--quick", action="store_true", help="small counts, 2 kills (CI)")
+    p.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS_BY_NAME),
+        help=f"comma-separated, from {','.join(WORKLOADS_BY_NAME)} (default: all)",
+    )
+    p.add_argument(
+        "--tool",
+        default=None,
+        help=f"etcd's benchmark tool (default $ETCD_BENCHMARK, {DEFAULT_TOOL}, PATH)",
+    )
+    p.add_argument(
+        "--queue-tool",
+        type=Path,
+        default=None,
+        help="tools/queue-bench, built from this checkout (default: build it into a temporary "
+        "directory with scripts/build_queue_bench.sh); only the queue row",
+    )
+    p.add_argument("--etcd", default=None, help="the etcd binary (default: etcd on PATH)")
+    p.add_argument(
+        "--kills",
+        type=int,
+        default=None,
+        help=f"leader kills in the failover row (default {DEFAULT_KILLS}, quick {QUICK_KILLS})",
+    )
+    p.add_argument("--ours-dir", type=Path, default=REPO_ROOT, help="run ours from this checkout")
+    p.add_argument("--out", type=Path, default=None, help="write the Markdown table here")
+    p.add_argument("--json", type=Path, default=None, help="write the JSON results here")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help=f"seconds per tool run before it is killed (default {QUICK_RUN_TIMEOUT:.0f} quick, "
+        f"{FULL_RUN_TIMEOUT:.0f} full)",
+    )
+    args = p.parse_args(argv)
+    names = [s.strip() for s in str(args.workloads).split(",") if s.strip()]
+    unknown = [s for s in names if s not in WORKLOADS_BY_NAME]
+    if unknown or not names:
+        p.error(f"unknown workload(s) {unknown}; choose from {','.join(WORKLOADS_BY_NAME)}")
+    args.workload_list = [WORKLOADS_BY_NAME[s] for s in names]
+    modes = {w.mode for w in args.workload_list}
+    tool = (
+        args.tool
+        or os.environ.get("ETCD_BENCHMARK")
+        or (str(DEFAULT_TOOL) if DEFAULT_TOOL.exists() else shutil.which("etcd-benchmark"))
+    )
+    if "tool" in modes and (not tool or not Path(tool).exists()):
+        p.error(f"etcd benchmark tool not found ({args.tool or DEFAULT_TOOL}); {BUILD_HINT}")
+    args.tool = tool
+    if "queue" in modes:
+        if args.queue_tool is not None and not args.queue_tool.exists():
+            p.error(f"no queue driver at {args.queue_tool}: scripts/build_queue_bench.sh OUT")
+        if args.queue_tool is None and shutil.which("go") is None:
+            p.error("no go on PATH to build tools/queue-bench, and no --queue-tool")
+    args.etcd = args.etcd or shutil.which("etcd")
+    if not args.etcd:
+        p.error("no etcd binary (apt-get install etcd-server, or --etcd PATH)")
+    args.etcdctl = shutil.which("etcdctl")
+    if not args.etcdctl:
+        p.error("no etcdctl on PATH (apt-get install etcd-client)")
+    args.ours_dir = Path(args.ours_dir).resolve()
+    if not (args.ours_dir / "queue_server" / "cli.py").exists():
+        p.error(f"no queue_server/cli.py in --ours-dir {args.ours_dir}")
+    if args.kills is None:
+        args.kills = QUICK_KILLS if args.quick else DEFAULT_KILLS
+    if args.kills < 1:
+        p.error("--kills must be at least 1")
+    if args.timeout is None:
+        args.timeout = QUICK_RUN_TIMEOUT if args.quick else FULL_RUN_TIMEOUT
+    return args
+
+
+def _stop_on_sigterm(signum: int, _frame: object) -> None:
+    """SIGTERM unwinds like Ctrl-C, so the `finally` blocks stop every member by its pid."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _log_side(s: Side) -> None:
+    if s.ok:
+        what = f"{s.figure_s:.3f} s median" if s.figure_s is not None else f"{s.rate:,.0f}/s"
+        log(
+            f"  {s.server}: {what}, server CPU {_num(s.server_us)} µs/req, "
+            f"tool CPU {_num(s.tool_us)} µs/req, p50/p99 {_lat(s)} ms"
+        )
+    else:
+        log(f"  {s.server}: FAILED: {s.error}")
+    for note in s.notes:
+        log(f"  {s.server}: note: {note}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    mode = "quick" if args.quick else "full"
+    started = time.monotonic()
+    build_dir: Path | None = None
+    if args.queue_tool is None and any(w.mode == "queue" for w in args.workload_list):
+        # Built from this checkout: an older build lacks --producer-endpoints.
+        build_dir = Path(tempfile.mkdtemp(prefix="cluster-tool-build-"))
+        args.queue_tool = build_queue_tool(build_dir)
+    try:
+        return run_all(args, mode, started)
+    finally:
+        if build_dir is not None:
+            shutil.rmtree(build_dir, ignore_errors=True)
+
+
+def run_all(args: argparse.Namespace, mode: str, started: float) -> int:
+    meta: dict[str, Any] = {
+        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        "mode": mode,
+        "cpus": os.cpu_count(),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "etcd_version": etcd_version(args.etcd),
+        "etcd": args.etcd,
+        "tool": args.tool,
+        "queue_tool": str(args.queue_tool) if args.queue_tool else None,
+        "commit": git_commit(args.ours_dir),
+        "ours_dir": str(args.ours_dir),
+        "python": sys.version.split()[0],
+        "kills": args.kills,
+    }
+    rows: list[Row] = []
+    for cw in args.workload_list:
+        root = Path(tempfile.mkdtemp(prefix=f"cluster-tool-{cw.name}-"))
+        log(f"{cw.name} ({mode}) in {root}")
+        sides = {kind: run_on(kind, cw, args, root) for kind in ("ours", "etcd")}
+        for s in sides.values():
+            _log_side(s)
+        rows.append(Row(cw, sides["ours"], sides["etcd"]))
+        if all(s.ok for s in sides.values()):
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            log(f"  kept {root} (member logs, tool output)")
+    meta["duration_s"] = round(time.monotonic() - started, 1)
+    meta["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    md = markdown(rows, meta)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(md)
+        log(f"wrote {args.out}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(to_json(rows, meta), indent=2) + "\n")
+        log(f"wrote {args.json}")
+    print(md)
+    failed = [
+        f"{r.workload.name} on {s.server}" for r in rows for s in (r.ours, r.etcd) if not s.ok
+    ]
+    if failed:
+        log(f"FAILED: {', '.join(failed)}")
+        return 1
+    log(f"done in {time.monotonic() - started:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
