@@ -593,15 +593,22 @@ class ClusterLog:
         if rd.hard_state is not None and rd.must_sync:
             hs = rd.hard_state
             records.append(encode_hard_state(hs.term, hs.vote, hs.commit))
+        write: asyncio.Future[None] | None = None
         if records:
             data, last = self.storage.encode(records)
-            await loop.run_in_executor(self._writer, self.storage.write, data, last)
-        if not early:
-            self._send(rd)
+            write = loop.run_in_executor(self._writer, self.storage.write, data, last)
+        # The committed entries were made durable by an earlier Ready (the core
+        # hands out no other), so they are applied while this Ready's write and
+        # fsync run in the writer thread: the two overlap on two cores, and a
+        # client's answer does not wait for an fsync of later entries.
         for e in rd.committed:
             self._apply(e)
         if rd.committed:
             self.applier.batch_applied()
+        if write is not None:
+            await write
+        if not early:
+            self._send(rd)
         for rs in rd.read_states:
             fut = self._reads.get(rs.context)
             if fut is not None and not fut.done():
