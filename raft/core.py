@@ -440,6 +440,17 @@ class RaftCore:
                 self._election_elapsed = 0
                 self._hup(transfer=False)
 
+    def leader_unreachable(self) -> None:
+        """The driver has a hint that the leader is gone (its connection was
+        closed, as when its process dies): end this follower's leader lease now,
+        so it campaigns after what is left of its randomized timeout (0 to one
+        election timeout) and votes for others, instead of first waiting a whole
+        election timeout of silence. A wrong hint costs nothing: with PreVote the
+        other followers, still hearing the leader, refuse to move to a new term,
+        and the leader's next heartbeat resets this follower's timer."""
+        if self._role is Role.FOLLOWER and self._leader != 0:
+            self._election_elapsed = max(self._election_elapsed, self.election_ticks)
+
     def campaign(self) -> None:
         """Start an election now (as the election timeout would), if allowed."""
         self._hup(transfer=False)

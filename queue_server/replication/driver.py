@@ -512,6 +512,14 @@ class ClusterLog:
         answer.placed.term = core.term
         return answer
 
+    def peer_closed(self, member_id: int) -> None:
+        """The leader closed its connection to this member: likely dead, so the
+        election need not wait for a whole timeout of silence."""
+        core = self.core
+        if core is not None and member_id == core.leader_id and core.role is not Role.LEADER:
+            log.info("raft leader closed its connection leader=%x", member_id)
+            core.leader_unreachable()
+
     def forward_keep_alive(self, lease_id: int) -> None:
         """A client kept a lease alive on this follower: refresh it on the
         leader's clock too, which decides expiry. Best effort: the client keeps

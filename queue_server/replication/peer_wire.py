@@ -477,8 +477,12 @@ class PeerTransport:
                     answer.add_done_callback(answering.discard)
                 else:
                     raise _FrameError(f"unexpected {kind or 'unknown'} frame")
-        except (asyncio.IncompleteReadError, OSError, TimeoutError):
-            pass  # the peer closed the connection, it broke, or no Hello came: it redials
+        except (asyncio.IncompleteReadError, ConnectionError):
+            # The peer closed or reset the connection: its process may be gone.
+            if from_member and self._handler is not None and not self._closed:
+                self._handler.peer_closed(from_member)
+        except (OSError, TimeoutError):
+            pass  # the connection broke, or no Hello came: the peer redials
         except (DecodeError, _FrameError) as e:
             self._warn(
                 "frame",

@@ -55,3 +55,7 @@ class PeerHandler(Protocol):
     async def answer(self, request: peer_pb2.Request) -> peer_pb2.Answer:
         """The answer to a peer's request (the transport sets its id)."""
         ...
+
+    def peer_closed(self, member_id: int) -> None:
+        """A connection that peer dialled was closed by it: a hint (never proof)
+        that its process is gone, as when it is killed."""

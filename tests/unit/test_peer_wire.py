@@ -61,6 +61,7 @@ class Recorder:
     def __init__(self, answerer: Answerer = placed) -> None:
         self.batches: list[list[bytes]] = []
         self.requests: list[peer_pb2.Request] = []
+        self.closed_by: list[int] = []
         self.answerer = answerer
         self._changed = asyncio.Event()
 
@@ -76,6 +77,10 @@ class Recorder:
         self.requests.append(request)
         self._changed.set()
         return await self.answerer(request)
+
+    def peer_closed(self, member_id: int) -> None:
+        self.closed_by.append(member_id)
+        self._changed.set()
 
     async def until(self, ready: Callable[[], bool], timeout: float = WAIT) -> None:
         async with asyncio.timeout(timeout):
@@ -242,6 +247,17 @@ async def test_batches_flow_both_ways_in_order(pair: tuple[Member, Member]) -> N
     assert len(b.handler.batches) == 1
     assert len(a.handler.batches) == 1
     assert a.transport.dropped == b.transport.dropped == 0
+
+
+async def test_a_peer_that_closes_its_connection_is_reported(
+    pair: tuple[Member, Member],
+) -> None:
+    a, b = pair
+    a.transport.send(B, b"hello")
+    await b.handler.until(lambda: b.handler.messages == [b"hello"])
+    assert b.handler.closed_by == []
+    await a.transport.close()  # as a killed process's sockets are closed
+    await b.handler.until(lambda: b.handler.closed_by == [A])
 
 
 async def test_messages_queued_during_a_stalled_write_go_in_one_frame(
