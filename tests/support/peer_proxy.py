@@ -69,6 +69,10 @@ class PeerProxy:
             except OSError:
                 client.close()
                 continue
+            for s in (client, upstream):
+                # no Nagle: a small raft message would wait out the peer's delayed
+                # ACK (about 40 ms) behind the previous one
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self._sockets.update((client, upstream))
             for a, b in ((client, upstream), (upstream, client)):
