@@ -121,9 +121,10 @@ FAILOVER_TARGET_S = 1.3
 DEFAULT_KILLS = 5
 QUICK_KILLS = 2
 
-QUEUE_FLAGS = ["--consumers=4", "--producers=4", "--inflight=128", "--conns=2"]
-"""Shared by both drivers: 4 producer goroutines with one put in flight each (one producer
-process), 4 consumers, at most 128 messages unacknowledged."""
+QUEUE_FLAGS = ["--consumers=4", "--producers=16", "--inflight=512", "--conns=2"]
+"""Shared by both drivers: 16 producer goroutines with one put in flight each (one producer
+process), 4 consumers, at most 512 messages unacknowledged: enough in flight that the
+servers, not the producers, set the pace."""
 
 
 @dataclass(frozen=True)
@@ -408,7 +409,7 @@ def run_queue_row(cluster: Cluster, leader: Server, n: int, args: argparse.Names
     """queue-bench `mq` (ours) or `recipe` (etcd) with producers and consumers on followers."""
     followers = cluster.followers(leader)
     sub = "mq" if cluster.kind == "ours" else "recipe"
-    extra = ["--put-batch=1", "--ack-batch=1", "--acks-in-flight=4"] if sub == "mq" else []
+    extra = ["--put-batch=1", "--ack-batch=1", "--acks-in-flight=16"] if sub == "mq" else []
     cmd = [
         str(args.queue_tool),
         sub,
