@@ -321,6 +321,7 @@ class StateReader:
         self._queue_names: set[bytes] = set()
         self._cqs: list[dict[str, Any]] = []
         self._cqs_names: set[str] = set()
+        self._tokens: set[str] = set()  # in-flight ack tokens of the last CQS queue
         self._cqs_counts: list[tuple[int, int]] = []  # (pending, in flight) each announced
         self._members: dict[int, tuple[str, tuple[str, ...], tuple[str, ...]]] = {}
         self._auth: dict[str, Any] | None = None
@@ -465,6 +466,7 @@ class StateReader:
         if queue.name in self._cqs_names:
             raise SnapshotFormatError(f"CQS queue {queue.name!r} appears twice")
         self._cqs_names.add(queue.name)
+        self._tokens = set()
         self._cqs.append(
             {
                 "name": queue.name,
@@ -478,9 +480,11 @@ class StateReader:
     def _add_cqs_chunk(self, chunk: pb.CqsChunk) -> None:
         tree = self._cqs[-1]["tree"]
         tree["pending"].extend(_row(n) for n in chunk.pending)
-        tree["in_flight"].extend(
-            (f.token, f.visible_at, *_row(f.notification)) for f in chunk.in_flight
-        )
+        for f in chunk.in_flight:
+            if f.token in self._tokens:
+                raise SnapshotFormatError(f"ack token {f.token!r} appears twice")
+            self._tokens.add(f.token)
+            tree["in_flight"].append((f.token, f.visible_at, *_row(f.notification)))
 
     def _add_members(self, chunk: pb.MemberChunk) -> None:
         for m in chunk.members:

@@ -295,6 +295,11 @@ def _twice(field: str) -> Callable[[Any], None]:
     return change
 
 
+def _twice_in_flight(chunk: pb.CqsChunk) -> None:
+    for _ in range(2):
+        chunk.in_flight.add(token="t", notification=pb.Notification(dto_id="x"))
+
+
 def _add_key(key: bytes, *changes: pb.Change) -> Callable[[pb.KeyChunk], None]:
     def change(chunk: pb.KeyChunk) -> None:
         chunk.keys.add(key=key, changes=changes)
@@ -372,6 +377,7 @@ MALFORMED: dict[str, tuple[list[bytes], str]] = {
         _edit("queue", _then(cqs_chunk=pb.CqsChunk())),
         "before any",
     ),
+    "an ack token twice": (_edit("cqs_chunk", _twice_in_flight), "twice"),
     "invalid UTF-8 in a string": (_edit("members", lambda m: [BAD_UTF8_MEMBER]), "parse"),
 }
 
