@@ -691,8 +691,7 @@ class ClusterLog:
         hs = core.hard_state
         snap_meta_term = core.log.term(index) or 0
         voters = core.conf_at(index)
-        payload = {"index": index, "term": snap_meta_term, "voters": list(voters), "state": state}
-        data = snapshot_format.encode(index, payload)
+        data = snapshot_format.encode(index, state, raft_term=snap_meta_term, voters=voters)
         core.compact(index, data)
         later = [
             StoredEntry(e.index, e.term, int(e.kind), e.data)
@@ -705,13 +704,18 @@ class ClusterLog:
     async def _install(self, snap: Snapshot) -> None:
         """A snapshot from the leader: persist it, then become it."""
         meta = snap.meta
-        _, payload = snapshot_format.decode(snap.data, f"snapshot from leader at {meta.index}")
+        name = f"snapshot from leader at {meta.index}"
+        decoded = snapshot_format.decode(snap.data, name)
+        if decoded.index != meta.index:
+            raise snapshot_format.CorruptSnapshotError(
+                f"{name} is not a valid snapshot: it says index {decoded.index}", meta.index
+            )
         hs = self.core.hard_state if self.core is not None else HardState()
         job = self.storage.snapshot_job_encoded(
             meta.index, snap.data, (hs.term, hs.vote, max(hs.commit, meta.index)), []
         )
         await asyncio.get_running_loop().run_in_executor(self._writer, job)
-        self.state_machine.restore_state(payload["state"])
+        self.state_machine.restore_state(decoded.state)
         self._snapshot_index = meta.index
         if self.on_restored is not None:
             self.on_restored()  # node-local views rebuild from the new state

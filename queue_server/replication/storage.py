@@ -81,11 +81,10 @@ class RaftStorage:
         out = Loaded()
         found = self.snapshots.load_latest()
         if found is not None:
-            _, snap = found
-            out.snapshot_index = snap["index"]
-            out.snapshot_term = snap["term"]
-            out.voters = tuple(snap["voters"])
-            out.state = snap["state"]
+            out.snapshot_index = found.index
+            out.snapshot_term = found.raft_term
+            out.voters = found.voters
+            out.state = found.state
         segments = self.wal.segments()
         after = segments[0] - 1 if segments else 0
         entries: list[StoredEntry] = []
@@ -145,7 +144,7 @@ class RaftStorage:
         entries_after: list[StoredEntry],
     ) -> Callable[[], int]:
         """A snapshot at raft `index`, already encoded (`snapshot.encode(index,
-        {"index", "term", "voters", "state"})`). The records that restart the WAL
+        state, raft_term, voters)`). The records that restart the WAL
         are numbered now (on the event loop, in order with every other write); the
         returned blocking function, run in the writer thread after the writes
         queued before it, saves the snapshot, starts a new segment with those

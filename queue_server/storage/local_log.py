@@ -124,8 +124,8 @@ class LocalLog:
         for error in broken:
             log.error("snapshot refused error=%r", str(error))
         if loaded is not None:
-            self._snapshot_index, state = loaded
-            self.state_machine.restore_state(state)
+            self._snapshot_index = loaded.index
+            self.state_machine.restore_state(loaded.state)
         replayed = 0
         apply = self.applier.apply
         parse = internal_pb2.Command.FromString

@@ -1,41 +1,109 @@
-"""Snapshots of the state machine on disk: write atomically, find, load, verify.
+"""Snapshot files: the format on disk and on the wire, the `snap/` directory,
+the one-time reading of legacy files, and the etcdctl transfer wrapping.
 
-A snapshot file `snap/<applied index, 20 digits>.snap` is
+This module owns the snapshot file's framing and checksum and the directory
+that keeps them; `snapshot_codec.py` owns what the records say (the state
+machine's exported state, field by field, in `etcdserverpb/snapshot.proto`).
 
-    magic "QSNAP1\\n" | u64 applied index | u32 crc32 of payload | u64 payload length | payload
+A snapshot file `snap/<applied index, 20 digits>.snap` (and what a Raft leader
+sends a follower behind its log) is
 
-The payload is the state machine's own serialization (`StateMachine.export_state`,
-pickled here: the data directory is trusted, as etcd trusts its bbolt file). A
-snapshot is written to a temporary name, fsynced and renamed, so a crash leaves
-either the old snapshot or the new one, never half of one. A snapshot whose
-checksum fails is refused with an error naming the file: it is never served.
-`load_usable` may fall back to an older snapshot, as etcd's snapshotter does; the
-caller must then prove the log reaches back to it (the WAL's gap check) before
-serving, and only then `set_aside` the broken one. Blocking; callers run it off
-the event loop.
+    magic "QSNAP2\\n"
+    records: u32 little-endian length | that many bytes of one `Record`
+    trailer: u32 0 | u32 crc32 of every byte before it (little endian)
+
+The records are a header (format version, applied index, raft term and voters,
+how many of each item follow), then the sections in a fixed order (see
+snapshot.proto). Nothing in the file is code: decoding builds plain data and
+checks it, and everything it refuses it refuses as `CorruptSnapshotError`.
+
+The checksum is zlib's crc32, as the WAL's: it is in the standard library, runs
+at memory speed, and its job is accidental damage (a torn or flipped file);
+whether a peer may send a snapshot at all is the transport's business, and a
+hostile one gains nothing from a valid checksum, since decoding is data only
+and strict. The trailer has a fixed size, so a reader checks the checksum over
+the whole file first and only then parses: damage is reported as damage, never
+as whatever the parser tripped on first.
+
+Writing and reading go record by record over a file object (`write_snapshot`,
+`read_snapshot`), so a large state is never held twice; `encode` and `decode`
+are the bytes conveniences (a leader's snapshot arrives as bytes).
+
+A snapshot is written to a temporary name, fsynced and renamed, so a crash
+leaves either the old snapshot or the new one, never half of one. A snapshot
+that fails its checks is refused with an error naming the file: it is never
+served. `load_usable` may fall back to an older snapshot, as etcd's snapshotter
+does; the caller must then prove the log reaches back to it (the WAL's gap
+check) before serving, and only then `set_aside` the broken one.
+
+Legacy: before version 2 the state was pickled (magic "QSNAP1\\n"). Such a file is
+read once, from a local file only (`SnapshotStore` at startup, `queue-server
+restore`), and rewritten in today's format at once; see `_read_legacy_pickle`.
+Bytes from anywhere else with that magic are refused. Blocking; callers run it
+off the event loop.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
+import logging
 import os
 import pickle
 import struct
 import zlib
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import IO, Any
 
+from queue_server.apply import StateMachine
+from queue_server.storage import snapshot_codec
 from queue_server.storage.files import fsync_dir
+from queue_server.storage.snapshot_codec import SnapshotContents, SnapshotFormatError
 
-_MAGIC = b"QSNAP1\n"
-_HEADER = struct.Struct("<QIQ")
+__all__ = [
+    "CorruptSnapshotError",
+    "SnapshotContents",
+    "SnapshotStore",
+    "decode",
+    "encode",
+    "for_transfer",
+    "from_transfer",
+    "read_local_snapshot",
+    "read_snapshot",
+    "verify",
+    "write_snapshot",
+]
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"QSNAP2\n"
+LEGACY_MAGIC = b"QSNAP1\n"
+_LENGTH = struct.Struct("<I")
+_CRC = struct.Struct("<I")
+TRAILER_BYTES = _LENGTH.size + _CRC.size
+"""The end marker (a zero length: no record is empty) and the checksum."""
+
+MAX_RECORD_BYTES = 64 << 20
+"""The longest record a reader accepts. A record is one chunk (about
+`snapshot_codec.CHUNK_BYTES`) plus at most one item, and an item is bounded by
+--max-request-bytes (1.5 MiB by default; etcd advises staying under 10 MiB).
+The bound keeps a damaged or hostile length from making the reader allocate
+gigabytes."""
+
+CHECK_READ_BYTES = 1 << 20
+"""Bytes read at a time by the checksum pass: large enough to run at disk speed,
+small enough to be noise next to the state."""
+
+_LEGACY_HEADER = struct.Struct("<QIQ")  # applied index, crc32 of payload, payload length
+
 KEEP_SNAPSHOTS = 2
 """Older snapshots are deleted once a newer one is durable; two are kept so the
 previous one can be inspected after a bad restart."""
 
 
 class CorruptSnapshotError(RuntimeError):
-    """A snapshot file failed its checksum or is truncated."""
+    """A snapshot is damaged, truncated, or not a snapshot this version reads."""
 
     def __init__(self, message: str, index: int = -1) -> None:
         super().__init__(message)
@@ -60,20 +128,30 @@ class SnapshotStore:
             if n.endswith(".snap") and n[:-5].isdigit()
         )
 
-    def save(self, index: int, state: Any) -> int:
-        """Write a snapshot of `state` at `index` durably; returns its size in bytes."""
-        return self.save_encoded(index, encode(index, state))
+    def save(
+        self, index: int, state: dict[str, Any], raft_term: int = 0, voters: Iterable[int] = ()
+    ) -> int:
+        """Write a snapshot of `state` at `index` durably, streaming it to the
+        file; returns its size in bytes."""
+        return self._replace(
+            index, lambda f: write_snapshot(f, index, state, raft_term=raft_term, voters=voters)
+        )
 
     def save_encoded(self, index: int, data: bytes) -> int:
         """Write an already encoded snapshot (see `encode`) durably."""
+        return self._replace(index, lambda f: f.write(data))
+
+    def _replace(self, index: int, write: Callable[[IO[bytes]], int]) -> int:
+        """Write the file through `write(fileobj) -> size` under a temporary name,
+        fsync, rename over the snapshot at `index`, prune old ones."""
         tmp = self._path(index) + ".tmp"
         try:
             with open(tmp, "wb") as f:
-                f.write(data)
+                size = write(f)
                 f.flush()
                 if self.fsync_enabled:
                     os.fsync(f.fileno())
-        except OSError:
+        except BaseException:
             with contextlib.suppress(OSError):  # a full disk: give the space back
                 os.remove(tmp)
             raise
@@ -82,41 +160,61 @@ class SnapshotStore:
             fsync_dir(self.directory)
         for old in self.indexes()[:-KEEP_SNAPSHOTS]:
             os.remove(self._path(old))
-        return len(data)
+        return size
 
-    def load_latest(self) -> tuple[int, Any] | None:
-        """(index, state) of the newest snapshot, or None if there is none."""
+    def _remove_interrupted(self) -> None:
         for name in os.listdir(self.directory):
             if name.endswith(".tmp"):  # a save that a crash interrupted
                 os.remove(os.path.join(self.directory, name))
+
+    def _load(self, index: int) -> SnapshotContents:
+        """The snapshot at `index`, a legacy one rewritten in today's format."""
+        path = self._path(index)
+        with open(path, "rb") as f:
+            snap, legacy = read_local_snapshot(f, path)
+        if snap.index != index:
+            raise CorruptSnapshotError(
+                f"{path} is not a valid snapshot: it says index {snap.index}", index
+            )
+        if legacy:
+            try:
+                size = self.save(index, snap.state, snap.raft_term, snap.voters)
+            except (ValueError, TypeError) as e:
+                raise CorruptSnapshotError(
+                    f"{path}: legacy snapshot cannot be rewritten in the new format: {e}", index
+                ) from None
+            log.warning(
+                "snapshot rewritten from legacy pickle format path=%s index=%d bytes=%d "
+                "from=QSNAP1 to=QSNAP2",
+                path,
+                index,
+                size,
+            )
+        return snap
+
+    def load_latest(self) -> SnapshotContents | None:
+        """The newest snapshot, or None if there is none."""
+        self._remove_interrupted()
         indexes = self.indexes()
         if not indexes:
             return None
-        path = self._path(indexes[-1])
-        with open(path, "rb") as f:
-            data = f.read()
-        return decode(data, path)
+        return self._load(indexes[-1])
 
-    def load_usable(self) -> tuple[tuple[int, Any] | None, list[CorruptSnapshotError]]:
-        """The newest snapshot that passes its checksum (or None), and the errors
+    def load_usable(self) -> tuple[SnapshotContents | None, list[CorruptSnapshotError]]:
+        """The newest snapshot that passes its checks (or None), and the errors
         of the newer ones that failed. A fallback is only safe if the log holds
         every record after the older snapshot: the caller checks that."""
-        for name in os.listdir(self.directory):
-            if name.endswith(".tmp"):
-                os.remove(os.path.join(self.directory, name))
+        self._remove_interrupted()
         broken: list[CorruptSnapshotError] = []
         for index in reversed(self.indexes()):
-            path = self._path(index)
-            with open(path, "rb") as f:
-                data = f.read()
             try:
-                return decode(data, path), broken
+                return self._load(index), broken
             except CorruptSnapshotError as e:
                 broken.append(e)
         return None, broken
 
     def set_aside(self, index: int) -> str:
-        """Rename a snapshot that failed its checksum to `.broken` (as etcd does)
+        """Rename a snapshot that failed its checks to `.broken` (as etcd does)
         so it is kept for inspection and never loaded again; returns the name."""
         path = self._path(index)
         os.replace(path, path + ".broken")
@@ -125,10 +223,123 @@ class SnapshotStore:
         return path + ".broken"
 
 
-def encode(index: int, state: Any) -> bytes:
-    """The snapshot file's bytes for `state` at applied index `index`."""
-    payload = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
-    return _MAGIC + _HEADER.pack(index, zlib.crc32(payload), len(payload)) + payload
+# -- the format ------------------------------------------------------------------------
+
+
+def write_snapshot(
+    fileobj: IO[bytes],
+    index: int,
+    state: dict[str, Any],
+    *,
+    raft_term: int = 0,
+    voters: Iterable[int] = (),
+) -> int:
+    """Write `state` (an `export_state()`) at applied index `index` to `fileobj`,
+    one record at a time; returns the bytes written."""
+    fileobj.write(MAGIC)
+    crc = zlib.crc32(MAGIC)
+    size = len(MAGIC)
+    for record in snapshot_codec.encode_records(index, state, raft_term, voters):
+        raw = record.SerializeToString()
+        if len(raw) > MAX_RECORD_BYTES:
+            raise ValueError(f"a {record.WhichOneof('body')} record of {len(raw)} bytes")
+        head = _LENGTH.pack(len(raw))
+        crc = zlib.crc32(raw, zlib.crc32(head, crc))
+        fileobj.write(head)
+        fileobj.write(raw)
+        size += len(head) + len(raw)
+    end = _LENGTH.pack(0)
+    fileobj.write(end + _CRC.pack(zlib.crc32(end, crc)))
+    return size + TRAILER_BYTES
+
+
+def read_snapshot(fileobj: IO[bytes], name: str) -> SnapshotContents:
+    """The snapshot in `fileobj` (seekable, read from its position to its end),
+    checked: checksum first, then every record. Anything else, a legacy pickle
+    snapshot included, is refused with CorruptSnapshotError naming `name`."""
+    try:
+        return _read(fileobj)
+    except SnapshotFormatError as e:
+        raise CorruptSnapshotError(
+            f"{name} is not a valid snapshot: {e}", _index_of(name)
+        ) from None
+
+
+def _read(fileobj: IO[bytes]) -> SnapshotContents:
+    start = fileobj.tell()
+    size = fileobj.seek(0, io.SEEK_END) - start
+    fileobj.seek(start)
+    magic = fileobj.read(len(MAGIC))
+    if magic == LEGACY_MAGIC:
+        raise SnapshotFormatError(
+            "it is in the legacy pickle format (QSNAP1), which is read only from a "
+            "local file at startup or by `queue-server restore`"
+        )
+    if magic != MAGIC:
+        raise SnapshotFormatError(f"it does not start with {MAGIC!r}")
+    if size < len(MAGIC) + TRAILER_BYTES:
+        raise SnapshotFormatError(f"truncated at {size} bytes")
+    _check_crc(fileobj, size)
+
+    fileobj.seek(start + len(MAGIC))
+    reader = snapshot_codec.StateReader()
+    at = len(MAGIC)
+    end = size - TRAILER_BYTES  # where the end marker must be
+    while at < end:
+        (length,) = _LENGTH.unpack(_read_exactly(fileobj, _LENGTH.size))
+        at += _LENGTH.size
+        if length == 0:
+            raise SnapshotFormatError(f"an end marker at byte {at} before the trailer")
+        if length > MAX_RECORD_BYTES or at + length > end:
+            raise SnapshotFormatError(f"a record of {length} bytes at byte {at} runs past the end")
+        reader.add(snapshot_codec.parse_record(_read_exactly(fileobj, length)))
+        at += length
+    if at != end or _read_exactly(fileobj, _LENGTH.size) != _LENGTH.pack(0):
+        raise SnapshotFormatError("the records do not end at the trailer")
+    return reader.finish()
+
+
+def _check_crc(fileobj: IO[bytes], size: int) -> None:
+    """Compare the crc32 of everything before the checksum with the trailer's."""
+    remaining = size - len(MAGIC) - _CRC.size
+    crc = zlib.crc32(MAGIC)
+    while remaining:
+        block = fileobj.read(min(CHECK_READ_BYTES, remaining))
+        if not block:
+            raise SnapshotFormatError("truncated while reading")
+        crc = zlib.crc32(block, crc)
+        remaining -= len(block)
+    (expected,) = _CRC.unpack(_read_exactly(fileobj, _CRC.size))
+    if crc != expected:
+        raise SnapshotFormatError(
+            f"it fails its checksum ({size} bytes, crc32 {crc:#010x}, trailer says {expected:#010x})"
+        )
+
+
+def _read_exactly(fileobj: IO[bytes], n: int) -> bytes:
+    data = fileobj.read(n)
+    if len(data) != n:
+        raise SnapshotFormatError("truncated while reading")
+    return data
+
+
+def encode(
+    index: int, state: dict[str, Any], raft_term: int = 0, voters: Iterable[int] = ()
+) -> bytes:
+    """The snapshot's bytes for `state` at applied index `index`."""
+    out = io.BytesIO()
+    write_snapshot(out, index, state, raft_term=raft_term, voters=voters)
+    return out.getvalue()
+
+
+def decode(data: bytes, name: str) -> SnapshotContents:
+    """The snapshot in `data` (e.g. a leader's), checked as `read_snapshot` does."""
+    return read_snapshot(io.BytesIO(data), name)
+
+
+def verify(data: bytes, name: str) -> int:
+    """Check a snapshot's bytes in full; returns its applied index."""
+    return decode(data, name).index
 
 
 def _index_of(name: str) -> int:
@@ -137,45 +348,96 @@ def _index_of(name: str) -> int:
     return int(stem) if stem.isdigit() else -1
 
 
-def verify(data: bytes, name: str) -> int:
-    """Check a snapshot's header and checksum; returns its applied index."""
-    head = len(_MAGIC) + _HEADER.size
-    if len(data) < head or not data.startswith(_MAGIC):
-        raise CorruptSnapshotError(f"snapshot {name} has no valid header", _index_of(name))
-    index, crc, length = _HEADER.unpack_from(data, len(_MAGIC))
+# -- local files, legacy included --------------------------------------------------------
+
+
+def read_local_snapshot(fileobj: IO[bytes], name: str) -> tuple[SnapshotContents, bool]:
+    """A snapshot from a local file: today's format, or the legacy pickle format
+    (then True: the caller must rewrite it in today's format at once). Only for
+    files of our own data dir or one the operator hands `queue-server restore`."""
+    start = fileobj.tell()
+    magic = fileobj.read(len(LEGACY_MAGIC))
+    fileobj.seek(start)
+    if magic == LEGACY_MAGIC:
+        return _read_legacy_pickle(fileobj, name), True
+    return read_snapshot(fileobj, name), False
+
+
+def _read_legacy_pickle(fileobj: IO[bytes], name: str) -> SnapshotContents:
+    """A snapshot written before format version 2: "QSNAP1\\n" | u64 applied index
+    | u32 crc32 of payload | u64 payload length | the state, pickled (a Raft
+    member's wrapped as {"index", "term", "voters", "state"}).
+
+    It exists so that a data dir written by an older server still starts, and an
+    older `etcdctl snapshot save` file still restores. Unpickling runs whatever
+    the bytes say, so it is only ever called on a local file, as trusted as the
+    rest of the data dir (`read_local_snapshot`); never on bytes from a peer or
+    a client (`read_snapshot` and `decode` refuse this magic). Every caller
+    rewrites the snapshot in today's format at once, so a file is unpickled once.
+    The state is passed through a state machine's `restore_state` and
+    `export_state`, so older layouts that `restore_state` still accepts come
+    out in today's.
+    """
+    data = fileobj.read()
+    head = len(LEGACY_MAGIC) + _LEGACY_HEADER.size
+    if len(data) < head or not data.startswith(LEGACY_MAGIC):
+        raise CorruptSnapshotError(f"legacy snapshot {name} has no valid header", _index_of(name))
+    index, crc, length = _LEGACY_HEADER.unpack_from(data, len(LEGACY_MAGIC))
     payload = memoryview(data)[head : head + length]
     if len(payload) != length or zlib.crc32(payload) != crc:
         raise CorruptSnapshotError(
-            f"snapshot {name} fails its checksum (expected {length} bytes, crc {crc:#x})",
+            f"legacy snapshot {name} fails its checksum (expected {length} bytes, crc {crc:#x})",
             _index_of(name),
         )
-    return int(index)
+    raft_term = 0
+    voters: tuple[int, ...] = ()
+    try:
+        value = pickle.loads(payload)
+        if isinstance(value, dict) and set(value) == {"index", "term", "voters", "state"}:
+            raft_term, voters = int(value["term"]), tuple(int(v) for v in value["voters"])
+            value = value["state"]
+        machine = StateMachine()
+        machine.restore_state(value)
+        state = machine.export_state()
+    except Exception as e:  # a local file of ours: whatever it holds, report it as damage
+        raise CorruptSnapshotError(
+            f"legacy snapshot {name} does not hold a state: {e!r}", _index_of(name)
+        ) from None
+    return SnapshotContents(int(index), state, raft_term, voters)
 
 
-def decode(data: bytes, name: str) -> tuple[int, Any]:
-    """(applied index, state) of a snapshot's bytes, after `verify`."""
-    index = verify(data, name)
-    return index, pickle.loads(memoryview(data)[len(_MAGIC) + _HEADER.size :])
-
+# -- etcdctl's transfer wrapping -------------------------------------------------------
 
 SECTOR_BYTES = 512
 SHA256_BYTES = 32
+_TRANSFER_LENGTH = struct.Struct("<Q")
 
 
 def for_transfer(data: bytes) -> bytes:
     """The snapshot as Maintenance.Snapshot streams it: padded to a multiple of
     512 bytes, then its sha256. etcd's clients (etcdctl snapshot save) refuse a
     stream whose length is not 32 past a multiple of 512 (`hasChecksum`), since
-    etcd streams a page-aligned db file followed by its sha256."""
-    padded = data + bytes(-len(data) % SECTOR_BYTES)
+    etcd streams a page-aligned db file followed by its sha256. The padding is
+    zeros ending in the snapshot's length (u64 little endian), so `from_transfer`
+    gives back exactly the snapshot: the format allows no trailing bytes."""
+    pad = -(len(data) + _TRANSFER_LENGTH.size) % SECTOR_BYTES
+    padded = data + bytes(pad) + _TRANSFER_LENGTH.pack(len(data))
     return padded + hashlib.sha256(padded).digest()
 
 
 def from_transfer(data: bytes, name: str) -> bytes:
     """Undo `for_transfer` (checking the sha256); plain snapshot files pass through."""
-    if len(data) % SECTOR_BYTES == SHA256_BYTES:
-        body, digest = data[:-SHA256_BYTES], data[-SHA256_BYTES:]
-        if hashlib.sha256(body).digest() != digest:
-            raise CorruptSnapshotError(f"snapshot {name} fails its sha256 check")
-        return body
-    return data
+    if len(data) % SECTOR_BYTES != SHA256_BYTES:
+        return data
+    body, digest = data[:-SHA256_BYTES], data[-SHA256_BYTES:]
+    if hashlib.sha256(body).digest() != digest:
+        raise CorruptSnapshotError(f"snapshot {name} fails its sha256 check")
+    if body.startswith(LEGACY_MAGIC):
+        return body  # an older server padded with zeros; the legacy header has the length
+    if len(body) < _TRANSFER_LENGTH.size:
+        raise CorruptSnapshotError(f"snapshot {name} has no transfer padding")
+    (length,) = _TRANSFER_LENGTH.unpack_from(body, len(body) - _TRANSFER_LENGTH.size)
+    padding = len(body) - _TRANSFER_LENGTH.size - length
+    if not 0 <= padding < SECTOR_BYTES or any(body[length : length + padding]):
+        raise CorruptSnapshotError(f"snapshot {name} has invalid transfer padding")
+    return body[:length]

@@ -31,6 +31,9 @@ from typing import Any
 
 import pytest
 
+from queue_server.mvcc.store import MVCCStore
+from queue_server.restore import restore
+from queue_server.storage.snapshot import SnapshotStore
 from tests.compat.test_etcdctl import CTL_TIMEOUT, Ctl, b64, lines
 from tests.compat.test_etcdctl import pytestmark as etcdctl_marks
 
@@ -734,7 +737,13 @@ def test_snapshot_save(ctl: Ctl, tmp_path: Path) -> None:
     assert not path.with_name("snap.db.part").exists()
     if ctl.kind == "etcd":
         # a bbolt file etcdctl can read; ours is our own snapshot format, which
-        # `queue-server restore` reads (tests/compat does not cover it)
+        # `queue-server restore` reads
         st = ctl.json("snapshot", "status", str(path))
         assert st["revision"] == rev
         assert st["totalKey"] > 0
+    else:
+        restore(str(path), str(tmp_path / "restored"))
+        loaded = SnapshotStore(str(tmp_path / "restored" / "snap")).load_latest()
+        assert loaded is not None
+        store = MVCCStore.from_state(loaded.state["mvcc"])
+        assert store.revision == rev and store.get(b"/ctlm/snap") is not None

@@ -130,7 +130,9 @@ def test_corrupt_snapshot_is_refused(tmp_path: Path) -> None:
         data[-5] ^= 0x01
         newest.write_bytes(bytes(data))
         text = _refused_start(server)
-        assert re.search(rf"snapshot \S*{newest.name} fails its checksum", text), text[-2000:]
+        assert re.search(
+            rf"\S*{newest.name} is not a valid snapshot: it fails its checksum", text
+        ), text[-2000:]
         assert "refusing to start" in text
         # the operator restores the good snapshot file (here: the bytes back)
         data[-5] ^= 0x01

@@ -15,6 +15,7 @@ from queue_server.replication.storage import (
     encode_hard_state,
 )
 from queue_server.storage import snapshot
+from tests.support.states import rich_machine
 
 pytestmark = pytest.mark.unit
 
@@ -53,8 +54,9 @@ def test_snapshot_keeps_later_entries_and_drops_old_segments(tmp_path: Path) -> 
     s = RaftStorage(str(tmp_path))
     s.load()
     write(s, [encode_entry(e) for e in entries(*[(i, 1) for i in range(1, 11)])])
-    payload = {"index": 8, "term": 1, "voters": [1, 2, 3], "state": {"kv": "state"}}
-    data = snapshot.encode(8, payload)
+    state = rich_machine().export_state()
+    state["applied_index"] = 8  # as if the state stood at raft index 8
+    data = snapshot.encode(8, state, raft_term=1, voters=[1, 2, 3])
     job = s.snapshot_job_encoded(8, data, (1, 1, 9), entries((9, 1), (10, 1)))
     write_after = [encode_entry(e) for e in entries((11, 2))]
     assert job() > 0
@@ -66,7 +68,7 @@ def test_snapshot_keeps_later_entries_and_drops_old_segments(tmp_path: Path) -> 
     got = reopened.load()
     assert reopened.raw_snapshot() == data
     assert (got.snapshot_index, got.snapshot_term, got.voters) == (8, 1, (1, 2, 3))
-    assert got.state == {"kv": "state"}
+    assert got.state == state
     assert (got.term, got.vote, got.commit) == (1, 1, 9)
     assert [(e.index, e.term) for e in got.entries] == [(9, 1), (10, 1), (11, 2)]
 

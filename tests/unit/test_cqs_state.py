@@ -730,9 +730,9 @@ def test_snapshot_round_trip_gives_the_same_results_after(tmp_path: Path) -> Non
     snaps = SnapshotStore(str(tmp_path), fsync=False)
     snaps.save(original.index, copy.deepcopy(state))
     loaded = snaps.load_latest()
-    assert loaded is not None and loaded[0] == original.index
+    assert loaded is not None and loaded.index == original.index
     sm = StateMachine()
-    sm.restore_state(loaded[1])
+    sm.restore_state(loaded.state)
     restored = Machine(sm)
     assert restored.index == original.index
     assert restored.sm.export_state() == state

@@ -81,14 +81,23 @@ def test_wal_gap_after_snapshot_is_refused(tmp_path: Path) -> None:
         list(WriteAheadLog(str(tmp_path)).replay(0))
 
 
+def _state_at(index: int) -> dict[str, object]:
+    """A real state with `index` entries applied (one key each)."""
+    sm = StateMachine()
+    for i in range(1, index + 1):
+        sm.apply(i, put_command(b"k%03d" % i, b"v%d" % i))
+    return sm.export_state()
+
+
 def test_snapshot_round_trip_and_corruption(tmp_path: Path) -> None:
     snaps = SnapshotStore(str(tmp_path))
     assert snaps.load_latest() is None
-    snaps.save(5, {"x": [1, 2, 3]})
-    snaps.save(9, {"x": [4]})
-    snaps.save(12, {"x": [5]})
+    states = {index: _state_at(index) for index in (5, 9, 12)}
+    for index, state in states.items():
+        snaps.save(index, state)
     assert snaps.indexes() == [9, 12]  # older ones are pruned
-    assert snaps.load_latest() == (12, {"x": [5]})
+    loaded = snaps.load_latest()
+    assert loaded is not None and (loaded.index, loaded.state) == (12, states[12])
     path = tmp_path / f"{12:020d}.snap"
     data = path.read_bytes()
     path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
