@@ -164,6 +164,7 @@ class ClusterLog:
         self._ticker: asyncio.Task[None] | None = None
         self._cycle: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self._received: tuple[int, int, snapshot_format.SnapshotContents] | None = None
         self.on_leader_change: Callable[[int], None] | None = None
         self.on_conf_change: Callable[[ConfChange], None] | None = None
         self.on_restored: Callable[[], None] | None = None
@@ -469,8 +470,30 @@ class ClusterLog:
             if m.dst != self.member_id:
                 self._misdirected(m)
                 continue
+            if m.snapshot is not None and not self._snapshot_received(m):
+                continue
             core.step(m)
         self._kick()
+
+    def _snapshot_received(self, m: Message) -> bool:
+        """Check a snapshot a peer sent before the core may take it: it must be a
+        valid snapshot in today's format (parsed as data, never executed: a pickle
+        or any other bytes are refused) at the index the message says. The parsed
+        contents are kept for `_install`, so the bytes are parsed once."""
+        assert m.snapshot is not None
+        meta = m.snapshot.meta
+        name = f"snapshot from member {m.src:x} at index {meta.index}"
+        try:
+            contents = snapshot_format.decode(m.snapshot.data, name)
+            if contents.index != meta.index:
+                raise snapshot_format.CorruptSnapshotError(
+                    f"{name} is not a valid snapshot: it says index {contents.index}", meta.index
+                )
+        except snapshot_format.CorruptSnapshotError as e:
+            log.warning("raft snapshot refused from=%x index=%d error=%s", m.src, meta.index, e)
+            return False
+        self._received = (meta.index, meta.term, contents)
+        return True
 
     def _misdirected(self, m: Message) -> None:
         """A message for another member id: most likely another cluster token."""
@@ -572,15 +595,27 @@ class ClusterLog:
                 if not self._again:
                     return
         except ApplyFailed:  # the applier logged it and stops the server
-            self._closed = True
-            for _, fut in self._waiters.values():
-                if not fut.done():
-                    fut.set_exception(ServerStopped())
-        except Exception:
-            log.exception("raft ready cycle failed")
-            raise
+            self._stop_cycle()
+        except Exception as e:
+            # A write that failed, a snapshot that cannot be installed: the member
+            # cannot go on without skipping part of a Ready, so it stops, as etcd
+            # panics. Its log is what it was before this Ready.
+            log.critical("raft ready cycle failed; stopping the member", exc_info=True)
+            failure = ApplyFailed(self.state_machine.applied_index, e)
+            failure.reported = True
+            self.state_machine.failed = failure
+            self._stop_cycle()
+            if self.applier.on_fatal is not None:
+                self.applier.on_fatal(failure)
         finally:
             self._busy = False
+
+    def _stop_cycle(self) -> None:
+        """Nothing more is written or applied; waiting proposals fail."""
+        self._closed = True
+        for _, fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(ServerStopped())
 
     async def _handle(self, rd: Ready) -> None:
         loop = asyncio.get_running_loop()
@@ -702,20 +737,21 @@ class ClusterLog:
         self._snapshot_index = index
 
     async def _install(self, snap: Snapshot) -> None:
-        """A snapshot from the leader: persist it, then become it."""
+        """A snapshot from the leader (checked when it arrived): persist it, then
+        become it."""
         meta = snap.meta
-        name = f"snapshot from leader at {meta.index}"
-        decoded = snapshot_format.decode(snap.data, name)
-        if decoded.index != meta.index:
-            raise snapshot_format.CorruptSnapshotError(
-                f"{name} is not a valid snapshot: it says index {decoded.index}", meta.index
-            )
+        received = self._received
+        self._received = None
+        if received is not None and received[:2] == (meta.index, meta.term):
+            contents = received[2]
+        else:  # another snapshot arrived since this one was checked: check it now
+            contents = snapshot_format.decode(snap.data, f"snapshot at index {meta.index}")
         hs = self.core.hard_state if self.core is not None else HardState()
         job = self.storage.snapshot_job_encoded(
             meta.index, snap.data, (hs.term, hs.vote, max(hs.commit, meta.index)), []
         )
         await asyncio.get_running_loop().run_in_executor(self._writer, job)
-        self.state_machine.restore_state(decoded.state)
+        self.state_machine.restore_state(contents.state)
         self._snapshot_index = meta.index
         if self.on_restored is not None:
             self.on_restored()  # node-local views rebuild from the new state
