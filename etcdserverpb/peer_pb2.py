@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x65tcdserverpb/peer.proto\x12\x14queue_server.peer.v1\"E\n\x05Hello\x12\x14\n\x0cwire_version\x18\x01 \x01(\r\x12\x13\n\x0b\x66rom_member\x18\x02 \x01(\x04\x12\x11\n\tto_member\x18\x03 \x01(\x04\"\x1d\n\tRaftBatch\x12\x10\n\x08messages\x18\x01 \x03(\x0c\"\x1b\n\x08Proposal\x12\x0f\n\x07\x63ommand\x18\x01 \x01(\x0c\"\x8a\x01\n\x11\x43onfChangeRequest\x12\x36\n\x02op\x18\x01 \x01(\x0e\x32*.queue_server.peer.v1.ConfChangeRequest.Op\x12\x11\n\tmember_id\x18\x02 \x01(\x04\x12\x0f\n\x07\x63ontext\x18\x03 \x01(\x0c\"\x19\n\x02Op\x12\x07\n\x03\x41\x44\x44\x10\x00\x12\n\n\x06REMOVE\x10\x01\"\"\n\x0eLeaseKeepAlive\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\"\xcc\x01\n\x07Request\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x31\n\x07propose\x18\x02 \x01(\x0b\x32\x1e.queue_server.peer.v1.ProposalH\x00\x12>\n\x0b\x63onf_change\x18\x03 \x01(\x0b\x32\'.queue_server.peer.v1.ConfChangeRequestH\x00\x12:\n\nkeep_alive\x18\x04 \x01(\x0b\x32$.queue_server.peer.v1.LeaseKeepAliveH\x00\x42\x06\n\x04\x62ody\"%\n\x06Placed\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x0c\n\x04term\x18\x02 \x01(\x04\")\n\x07Refused\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0e\n\x06leader\x18\x02 \x01(\x04\"\x1e\n\x0fKeepAliveAnswer\x12\x0b\n\x03ttl\x18\x01 \x01(\x03\"\xbb\x01\n\x06\x41nswer\x12\n\n\x02id\x18\x01 \x01(\x04\x12.\n\x06placed\x18\x02 \x01(\x0b\x32\x1c.queue_server.peer.v1.PlacedH\x00\x12\x30\n\x07refused\x18\x03 \x01(\x0b\x32\x1d.queue_server.peer.v1.RefusedH\x00\x12;\n\nkeep_alive\x18\x04 \x01(\x0b\x32%.queue_server.peer.v1.KeepAliveAnswerH\x00\x42\x06\n\x04\x62ody\"\xd4\x01\n\tPeerFrame\x12,\n\x05hello\x18\x01 \x01(\x0b\x32\x1b.queue_server.peer.v1.HelloH\x00\x12/\n\x04raft\x18\x02 \x01(\x0b\x32\x1f.queue_server.peer.v1.RaftBatchH\x00\x12\x30\n\x07request\x18\x03 \x01(\x0b\x32\x1d.queue_server.peer.v1.RequestH\x00\x12.\n\x06\x61nswer\x18\x04 \x01(\x0b\x32\x1c.queue_server.peer.v1.AnswerH\x00\x42\x06\n\x04\x62odyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x65tcdserverpb/peer.proto\x12\x14queue_server.peer.v1\"E\n\x05Hello\x12\x14\n\x0cwire_version\x18\x01 \x01(\r\x12\x13\n\x0b\x66rom_member\x18\x02 \x01(\x04\x12\x11\n\tto_member\x18\x03 \x01(\x04\".\n\rSnapshotStart\x12\x0f\n\x07message\x18\x01 \x01(\x0c\x12\x0c\n\x04size\x18\x02 \x01(\x04\"\x1d\n\rSnapshotChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\x1d\n\tRaftBatch\x12\x10\n\x08messages\x18\x01 \x03(\x0c\"\x1b\n\x08Proposal\x12\x0f\n\x07\x63ommand\x18\x01 \x01(\x0c\"\x8a\x01\n\x11\x43onfChangeRequest\x12\x36\n\x02op\x18\x01 \x01(\x0e\x32*.queue_server.peer.v1.ConfChangeRequest.Op\x12\x11\n\tmember_id\x18\x02 \x01(\x04\x12\x0f\n\x07\x63ontext\x18\x03 \x01(\x0c\"\x19\n\x02Op\x12\x07\n\x03\x41\x44\x44\x10\x00\x12\n\n\x06REMOVE\x10\x01\"\"\n\x0eLeaseKeepAlive\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\"\xcc\x01\n\x07Request\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x31\n\x07propose\x18\x02 \x01(\x0b\x32\x1e.queue_server.peer.v1.ProposalH\x00\x12>\n\x0b\x63onf_change\x18\x03 \x01(\x0b\x32\'.queue_server.peer.v1.ConfChangeRequestH\x00\x12:\n\nkeep_alive\x18\x04 \x01(\x0b\x32$.queue_server.peer.v1.LeaseKeepAliveH\x00\x42\x06\n\x04\x62ody\"%\n\x06Placed\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x0c\n\x04term\x18\x02 \x01(\x04\")\n\x07Refused\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0e\n\x06leader\x18\x02 \x01(\x04\"\x1e\n\x0fKeepAliveAnswer\x12\x0b\n\x03ttl\x18\x01 \x01(\x03\"\xbb\x01\n\x06\x41nswer\x12\n\n\x02id\x18\x01 \x01(\x04\x12.\n\x06placed\x18\x02 \x01(\x0b\x32\x1c.queue_server.peer.v1.PlacedH\x00\x12\x30\n\x07refused\x18\x03 \x01(\x0b\x32\x1d.queue_server.peer.v1.RefusedH\x00\x12;\n\nkeep_alive\x18\x04 \x01(\x0b\x32%.queue_server.peer.v1.KeepAliveAnswerH\x00\x42\x06\n\x04\x62ody\"\xd2\x02\n\tPeerFrame\x12,\n\x05hello\x18\x01 \x01(\x0b\x32\x1b.queue_server.peer.v1.HelloH\x00\x12/\n\x04raft\x18\x02 \x01(\x0b\x32\x1f.queue_server.peer.v1.RaftBatchH\x00\x12\x30\n\x07request\x18\x03 \x01(\x0b\x32\x1d.queue_server.peer.v1.RequestH\x00\x12.\n\x06\x61nswer\x18\x04 \x01(\x0b\x32\x1c.queue_server.peer.v1.AnswerH\x00\x12=\n\x0esnapshot_start\x18\x05 \x01(\x0b\x32#.queue_server.peer.v1.SnapshotStartH\x00\x12=\n\x0esnapshot_chunk\x18\x06 \x01(\x0b\x32#.queue_server.peer.v1.SnapshotChunkH\x00\x42\x06\n\x04\x62odyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,26 +33,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_HELLO']._serialized_start=49
   _globals['_HELLO']._serialized_end=118
-  _globals['_RAFTBATCH']._serialized_start=120
-  _globals['_RAFTBATCH']._serialized_end=149
-  _globals['_PROPOSAL']._serialized_start=151
-  _globals['_PROPOSAL']._serialized_end=178
-  _globals['_CONFCHANGEREQUEST']._serialized_start=181
-  _globals['_CONFCHANGEREQUEST']._serialized_end=319
-  _globals['_CONFCHANGEREQUEST_OP']._serialized_start=294
-  _globals['_CONFCHANGEREQUEST_OP']._serialized_end=319
-  _globals['_LEASEKEEPALIVE']._serialized_start=321
-  _globals['_LEASEKEEPALIVE']._serialized_end=355
-  _globals['_REQUEST']._serialized_start=358
-  _globals['_REQUEST']._serialized_end=562
-  _globals['_PLACED']._serialized_start=564
-  _globals['_PLACED']._serialized_end=601
-  _globals['_REFUSED']._serialized_start=603
-  _globals['_REFUSED']._serialized_end=644
-  _globals['_KEEPALIVEANSWER']._serialized_start=646
-  _globals['_KEEPALIVEANSWER']._serialized_end=676
-  _globals['_ANSWER']._serialized_start=679
-  _globals['_ANSWER']._serialized_end=866
-  _globals['_PEERFRAME']._serialized_start=869
-  _globals['_PEERFRAME']._serialized_end=1081
+  _globals['_SNAPSHOTSTART']._serialized_start=120
+  _globals['_SNAPSHOTSTART']._serialized_end=166
+  _globals['_SNAPSHOTCHUNK']._serialized_start=168
+  _globals['_SNAPSHOTCHUNK']._serialized_end=197
+  _globals['_RAFTBATCH']._serialized_start=199
+  _globals['_RAFTBATCH']._serialized_end=228
+  _globals['_PROPOSAL']._serialized_start=230
+  _globals['_PROPOSAL']._serialized_end=257
+  _globals['_CONFCHANGEREQUEST']._serialized_start=260
+  _globals['_CONFCHANGEREQUEST']._serialized_end=398
+  _globals['_CONFCHANGEREQUEST_OP']._serialized_start=373
+  _globals['_CONFCHANGEREQUEST_OP']._serialized_end=398
+  _globals['_LEASEKEEPALIVE']._serialized_start=400
+  _globals['_LEASEKEEPALIVE']._serialized_end=434
+  _globals['_REQUEST']._serialized_start=437
+  _globals['_REQUEST']._serialized_end=641
+  _globals['_PLACED']._serialized_start=643
+  _globals['_PLACED']._serialized_end=680
+  _globals['_REFUSED']._serialized_start=682
+  _globals['_REFUSED']._serialized_end=723
+  _globals['_KEEPALIVEANSWER']._serialized_start=725
+  _globals['_KEEPALIVEANSWER']._serialized_end=755
+  _globals['_ANSWER']._serialized_start=758
+  _globals['_ANSWER']._serialized_end=945
+  _globals['_PEERFRAME']._serialized_start=948
+  _globals['_PEERFRAME']._serialized_end=1286
 # @@protoc_insertion_point(module_scope)

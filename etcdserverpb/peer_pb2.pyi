@@ -17,6 +17,20 @@ class Hello(_message.Message):
     to_member: int
     def __init__(self, wire_version: _Optional[int] = ..., from_member: _Optional[int] = ..., to_member: _Optional[int] = ...) -> None: ...
 
+class SnapshotStart(_message.Message):
+    __slots__ = ("message", "size")
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    message: bytes
+    size: int
+    def __init__(self, message: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...
+
+class SnapshotChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
 class RaftBatch(_message.Message):
     __slots__ = ("messages",)
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -98,13 +112,17 @@ class Answer(_message.Message):
     def __init__(self, id: _Optional[int] = ..., placed: _Optional[_Union[Placed, _Mapping]] = ..., refused: _Optional[_Union[Refused, _Mapping]] = ..., keep_alive: _Optional[_Union[KeepAliveAnswer, _Mapping]] = ...) -> None: ...
 
 class PeerFrame(_message.Message):
-    __slots__ = ("hello", "raft", "request", "answer")
+    __slots__ = ("hello", "raft", "request", "answer", "snapshot_start", "snapshot_chunk")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     RAFT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     ANSWER_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_START_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_CHUNK_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     raft: RaftBatch
     request: Request
     answer: Answer
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., raft: _Optional[_Union[RaftBatch, _Mapping]] = ..., request: _Optional[_Union[Request, _Mapping]] = ..., answer: _Optional[_Union[Answer, _Mapping]] = ...) -> None: ...
+    snapshot_start: SnapshotStart
+    snapshot_chunk: SnapshotChunk
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., raft: _Optional[_Union[RaftBatch, _Mapping]] = ..., request: _Optional[_Union[Request, _Mapping]] = ..., answer: _Optional[_Union[Answer, _Mapping]] = ..., snapshot_start: _Optional[_Union[SnapshotStart, _Mapping]] = ..., snapshot_chunk: _Optional[_Union[SnapshotChunk, _Mapping]] = ...) -> None: ...

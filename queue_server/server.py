@@ -559,7 +559,10 @@ class Server:
             for name, urls in cfg.initial_cluster
         }
         me = ids[cfg.name]
-        peers = PeerTransport(me, client_ssl=self.tls.peer_client)
+        storage = RaftStorage(cfg.data_dir, fsync=not cfg.unsafe_no_fsync)
+        peers = PeerTransport(
+            me, client_ssl=self.tls.peer_client, snapshot_dir=storage.snapshot_dir
+        )
         for name, urls in cfg.initial_cluster:
             if ids[name] != me:
                 peers.set_peer(ids[name], urls[0])
@@ -569,7 +572,7 @@ class Server:
             me,
             sorted(ids.values()),
             peers,
-            RaftStorage(cfg.data_dir, fsync=not cfg.unsafe_no_fsync),
+            storage,
             keep_alive=lambda lease_id: self.expiry.keep_alive(lease_id),
             heartbeat_seconds=heartbeat,
             election_ticks=max(1, round(cfg.election_timeout_ms / cfg.heartbeat_interval_ms)),

@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import secrets
 import time
@@ -102,6 +103,11 @@ PEER_REQUEST_TIMEOUT = 2.0
 """How long a follower waits for the leader to place a forwarded request: past
 it the leader is taken for gone and the request is tried again (within
 REQUEST_TIMEOUT), on whoever leads by then."""
+SNAPSHOT_IN_FILE = b""
+"""The data of every raft snapshot this driver hands the core: the snapshot
+itself is the file at its index (`RaftStorage.snapshot_path`), which the peer
+transport streams to a follower and a follower's transport writes to a file as
+it arrives, so no side holds a whole snapshot in memory."""
 KEEP_RESULTS = 4096
 """Applied results kept for forwarded proposals whose answer arrives late."""
 
@@ -164,7 +170,9 @@ class ClusterLog:
         self._ticker: asyncio.Task[None] | None = None
         self._cycle: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
-        self._received: tuple[int, int, snapshot_format.SnapshotContents] | None = None
+        self._received: tuple[int, int, snapshot_format.SnapshotContents, str] | None = None
+        """The last snapshot a peer sent that passed its checks: index, term,
+        what it holds and its file, until the core hands it out to install."""
         self.on_leader_change: Callable[[int], None] | None = None
         self.on_conf_change: Callable[[ConfChange], None] | None = None
         self.on_restored: Callable[[], None] | None = None
@@ -182,9 +190,8 @@ class ClusterLog:
         if loaded.state is not None:
             sm.restore_state(loaded.state)
             self._snapshot_index = loaded.snapshot_index
-            raw = self.storage.raw_snapshot()
             meta = SnapshotMeta(loaded.snapshot_index, loaded.snapshot_term, loaded.voters)
-            snap = Snapshot(meta, raw)
+            snap = Snapshot(meta, SNAPSHOT_IN_FILE)
         fresh = loaded.term == 0 and not loaded.entries and snap is None
         if fresh:
             self.core = RaftCore(
@@ -470,30 +477,54 @@ class ClusterLog:
             if m.dst != self.member_id:
                 self._misdirected(m)
                 continue
-            if m.snapshot is not None and not self._snapshot_received(m):
+            if m.snapshot is not None:
+                log.warning(
+                    "raft snapshot refused from=%x index=%d error=snapshots come streamed, "
+                    "not inside a raft batch",
+                    m.src,
+                    m.snapshot.meta.index,
+                )
                 continue
             core.step(m)
         self._kick()
 
-    def _snapshot_received(self, m: Message) -> bool:
-        """Check a snapshot a peer sent before the core may take it: it must be a
-        valid snapshot in today's format (parsed as data, never executed: a pickle
-        or any other bytes are refused) at the index the message says. The parsed
-        contents are kept for `_install`, so the bytes are parsed once."""
-        assert m.snapshot is not None
+    def deliver_snapshot(self, message: bytes, path: str) -> None:
+        """A snapshot message from a peer, its snapshot in the file at `path`.
+        The file is checked before the core may take the message: it must be a
+        valid snapshot in today's format (parsed as data, record by record, never
+        executed: a pickle or any other bytes are refused) at the index the
+        message says. The parsed contents and the file are kept for `_install`."""
+        core = self.core
+        try:
+            m = Message.from_bytes(message)
+        except DecodeError as e:
+            log.warning("dropping a malformed raft snapshot message: %s", e)
+            os.remove(path)
+            return
+        if core is None or self._closed or m.snapshot is None or m.dst != self.member_id:
+            os.remove(path)
+            return
+        if core.log.pending_snapshot is not None:
+            os.remove(path)  # one is being installed; the leader sends again if need be
+            return
         meta = m.snapshot.meta
         name = f"snapshot from member {m.src:x} at index {meta.index}"
         try:
-            contents = snapshot_format.decode(m.snapshot.data, name)
+            with open(path, "rb") as f:
+                contents = snapshot_format.read_snapshot(f, name)
             if contents.index != meta.index:
                 raise snapshot_format.CorruptSnapshotError(
                     f"{name} is not a valid snapshot: it says index {contents.index}", meta.index
                 )
         except snapshot_format.CorruptSnapshotError as e:
             log.warning("raft snapshot refused from=%x index=%d error=%s", m.src, meta.index, e)
-            return False
-        self._received = (meta.index, meta.term, contents)
-        return True
+            os.remove(path)
+            return
+        if self._received is not None:
+            os.remove(self._received[3])  # an older one the core did not take
+        self._received = (meta.index, meta.term, contents, path)
+        core.step(m)
+        self._kick()
 
     def _misdirected(self, m: Message) -> None:
         """A message for another member id: most likely another cluster token."""
@@ -660,7 +691,11 @@ class ClusterLog:
     def _send(self, rd: Ready) -> None:
         send = self.peers.send
         for m in rd.messages:
-            send(m.dst, m.to_bytes())
+            if m.snapshot is not None:
+                path = self.storage.snapshot_path(m.snapshot.meta.index)
+                self.peers.send_snapshot(m.dst, m.to_bytes(), path)
+            else:
+                send(m.dst, m.to_bytes())
 
     def _apply(self, e: Entry) -> None:
         sm = self.state_machine
@@ -720,19 +755,23 @@ class ClusterLog:
             self._snapshot(applied)
 
     def _snapshot(self, index: int) -> None:
+        """Snapshot the state at applied `index`: the core drops its log up to it,
+        and the writer thread streams the exported state to the snapshot file,
+        then restarts the WAL after it."""
         core = self.core
         assert core is not None
         state = self.state_machine.export_state()
         hs = core.hard_state
-        snap_meta_term = core.log.term(index) or 0
+        term = core.log.term(index) or 0
         voters = core.conf_at(index)
-        data = snapshot_format.encode(index, state, raft_term=snap_meta_term, voters=voters)
-        core.compact(index, data)
+        core.compact(index, SNAPSHOT_IN_FILE)
         later = [
             StoredEntry(e.index, e.term, int(e.kind), e.data)
             for e in core.log.slice(index + 1, core.log.stable_last)
         ]
-        job = self.storage.snapshot_job_encoded(index, data, (hs.term, hs.vote, hs.commit), later)
+        job = self.storage.snapshot_job(
+            index, state, term, voters, (hs.term, hs.vote, hs.commit), later
+        )
         self._writer.submit(job)
         self._snapshot_index = index
 
@@ -740,15 +779,14 @@ class ClusterLog:
         """A snapshot from the leader (checked when it arrived): persist it, then
         become it."""
         meta = snap.meta
-        received = self._received
-        self._received = None
-        if received is not None and received[:2] == (meta.index, meta.term):
-            contents = received[2]
-        else:  # another snapshot arrived since this one was checked: check it now
-            contents = snapshot_format.decode(snap.data, f"snapshot at index {meta.index}")
+        received, self._received = self._received, None
+        if received is None or received[:2] != (meta.index, meta.term):
+            # The core only takes snapshots that `deliver_snapshot` checked and kept.
+            raise RuntimeError(f"no checked snapshot file for index {meta.index}")
+        contents, path = received[2], received[3]
         hs = self.core.hard_state if self.core is not None else HardState()
-        job = self.storage.snapshot_job_encoded(
-            meta.index, snap.data, (hs.term, hs.vote, max(hs.commit, meta.index)), []
+        job = self.storage.install_job(
+            meta.index, path, (hs.term, hs.vote, max(hs.commit, meta.index))
         )
         await asyncio.get_running_loop().run_in_executor(self._writer, job)
         self.state_machine.restore_state(contents.state)

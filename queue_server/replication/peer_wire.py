@@ -28,6 +28,15 @@ duplicated and reordered messages, so nothing is retried: a failed write drops
 its batch, closes the connection, and the next message reconnects after a
 backoff. A peer that is down costs at most MAX_QUEUED messages of memory.
 
+Snapshots: `send_snapshot` queues a raft snapshot message whose data is the
+snapshot file at a path. The writer sends what was queued before it, then a
+`SnapshotStart` (the message, the file's size) and the file in SNAPSHOT_CHUNK
+pieces, waiting for the socket after each; the receiver writes each piece to a
+file of its own in `snapshot_dir` and, once all have come, hands the message and
+that file's path to `handler.deliver_snapshot`. Neither side holds a whole
+snapshot in memory. A snapshot that cannot be read or sent is dropped, like any
+raft message: the leader sends it again.
+
 Requests: `request` gives the request an id unique on this transport, queues
 it for the writer and waits for the `Answer` with that id, which the
 connection's reader task hands over. Losing the connection fails every pending
@@ -46,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import ssl
 import struct
 from dataclasses import dataclass, field
@@ -66,9 +76,18 @@ MAX_QUEUED = 4096
 peer that far behind is caught up by the leader's probes or a snapshot, and a
 dead peer must not cost unbounded memory."""
 
-MAX_FRAME = 2 << 30
-"""Largest frame accepted (2 GiB): a raft snapshot travels as one message. The
-frame is read in pieces by the stream, but held whole before it is decoded."""
+MAX_FRAME = 64 << 20
+"""Largest frame accepted (64 MiB): a batch of raft appends is at most the
+leader's entries per message times --max-request-bytes (1.5 MiB by default);
+snapshots, the only larger thing, come in SNAPSHOT_CHUNK pieces. A frame is
+held whole before it is decoded, so this bounds a connection's memory."""
+
+SNAPSHOT_CHUNK = 1 << 20
+"""Bytes of a snapshot file per SnapshotChunk frame."""
+
+MAX_SNAPSHOT = 1 << 40
+"""Largest snapshot a peer may announce (1 TiB): it is written to disk as it
+comes, so this only refuses an absurd size before any byte is written."""
 
 MAX_HELLO_FRAME = 256
 """Largest first frame: a Hello is three integers (under 40 bytes). An
@@ -132,6 +151,8 @@ class _Peer:
     tls: bool
     queue: list[bytes] = field(default_factory=list)
     """Encoded raft messages not yet taken by the writer."""
+    snapshots: list[tuple[bytes, str]] = field(default_factory=list)
+    """Snapshot messages (without their data) and their files, not yet sent."""
     requests: list[bytes] = field(default_factory=list)
     """Framed Request frames not yet written."""
     unsent: set[int] = field(default_factory=set)
@@ -194,8 +215,18 @@ async def _read_frame(reader: asyncio.StreamReader, limit: int) -> peer_pb2.Peer
 class PeerTransport:
     """This member's connections to and from its peers, by member id."""
 
-    def __init__(self, member_id: int, *, client_ssl: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        member_id: int,
+        *,
+        client_ssl: ssl.SSLContext | None = None,
+        snapshot_dir: str | None = None,
+    ) -> None:
+        """`snapshot_dir` is where snapshots peers send are written as they
+        arrive (files named `*.incoming.tmp`); without it they are refused."""
         self.member_id = member_id
+        self._snapshot_dir = snapshot_dir
+        self._received_snapshots = itertools.count(1)
         self._handler: PeerHandler | None = None
         self._client_ssl = client_ssl
         self._peers: dict[int, _Peer] = {}
@@ -252,6 +283,18 @@ class PeerTransport:
             self._dropped += 1
         self._wake(peer)
 
+    def send_snapshot(self, member_id: int, message: bytes, path: str) -> None:
+        """Queue a raft snapshot message (its snapshot data empty) whose
+        snapshot is the file at `path`; streamed after the raft messages queued
+        when the writer takes it."""
+        peer = self._peers.get(member_id)
+        if peer is None:
+            return
+        if peer.snapshots:  # a newer snapshot replaces one not yet sent
+            self._dropped += len(peer.snapshots)
+        peer.snapshots = [(message, path)]
+        self._wake(peer)
+
     async def request(
         self, member_id: int, request: peer_pb2.Request, timeout: float
     ) -> peer_pb2.Answer:
@@ -297,7 +340,7 @@ class PeerTransport:
     async def _write_queued(self, peer: _Peer) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if not peer.queue and not peer.requests:
+            if not peer.queue and not peer.requests and not peer.snapshots:
                 peer.idle = loop.create_future()
                 await peer.idle
                 continue
@@ -318,6 +361,35 @@ class PeerTransport:
             except (OSError, TimeoutError) as e:
                 self._dropped += len(batch)
                 self._disconnect(peer, connection, repr(e))
+                continue
+            if peer.snapshots:
+                message, path = peer.snapshots.pop(0)
+                await self._stream_snapshot(peer, connection, message, path)
+
+    async def _stream_snapshot(
+        self, peer: _Peer, connection: _Connection, message: bytes, path: str
+    ) -> None:
+        """Send one snapshot file in pieces; a failure drops it (Raft sends again)."""
+        writer = connection.writer
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                start = peer_pb2.PeerFrame(
+                    snapshot_start=peer_pb2.SnapshotStart(message=message, size=size)
+                )
+                writer.writelines(_frame(start))
+                while piece := f.read(SNAPSHOT_CHUNK):
+                    chunk = peer_pb2.PeerFrame(snapshot_chunk=peer_pb2.SnapshotChunk(data=piece))
+                    writer.writelines(_frame(chunk))
+                    await _drain(writer)
+        except FileNotFoundError as e:  # not written yet, or replaced by a newer one
+            log.debug("snapshot not sent member=%x path=%s error=%r", peer.member_id, path, e)
+            self._dropped += 1
+        except (OSError, TimeoutError) as e:  # half sent: the receiver must not wait on
+            self._dropped += 1
+            self._disconnect(peer, connection, repr(e))
+        else:
+            log.info("snapshot sent member=%x path=%s bytes=%d", peer.member_id, path, size)
 
     async def _connect(self, peer: _Peer) -> _Connection | None:
         """Dial the peer (after the backoff) and send Hello; on failure drop what
@@ -475,6 +547,8 @@ class PeerTransport:
                     )
                     answering.add(answer)
                     answer.add_done_callback(answering.discard)
+                elif kind == "snapshot_start":
+                    await self._receive_snapshot(frame.snapshot_start, reader, from_member)
                 else:
                     raise _FrameError(f"unexpected {kind or 'unknown'} frame")
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -497,6 +571,36 @@ class PeerTransport:
                 answer.cancel()
             writer.close()
             self._inbound.pop(task, None)
+
+    async def _receive_snapshot(
+        self, start: peer_pb2.SnapshotStart, reader: asyncio.StreamReader, from_member: int
+    ) -> None:
+        """Write a streamed snapshot to a file of its own as its pieces come, then
+        hand it over; a stream that breaks or lies about its size leaves no file."""
+        if self._snapshot_dir is None:
+            raise _FrameError("this member takes no snapshots")
+        if start.size > MAX_SNAPSHOT:
+            raise _FrameError(f"snapshot of {start.size} bytes over the limit of {MAX_SNAPSHOT}")
+        name = f"{from_member:016x}-{next(self._received_snapshots)}.incoming.tmp"
+        path = os.path.join(self._snapshot_dir, name)
+        received = 0
+        try:
+            with open(path, "wb") as f:
+                while received < start.size:
+                    frame = await _read_frame(reader, MAX_FRAME)
+                    if frame.WhichOneof("body") != "snapshot_chunk":
+                        raise _FrameError("a snapshot stream was interrupted by another frame")
+                    data = frame.snapshot_chunk.data
+                    received += len(data)
+                    if received > start.size:
+                        raise _FrameError(f"snapshot longer than the {start.size} bytes announced")
+                    f.write(data)
+        except BaseException:
+            os.remove(path)
+            raise
+        assert self._handler is not None
+        log.info("snapshot received from_member=%x bytes=%d", from_member, received)
+        self._handler.deliver_snapshot(start.message, path)
 
     async def _answer(self, request: peer_pb2.Request, writer: asyncio.StreamWriter) -> None:
         """Answer one request on the connection it came on. A handler that fails

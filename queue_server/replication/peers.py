@@ -38,6 +38,11 @@ class Peers(Protocol):
         """Queue one encoded raft message for a peer; never blocks, never raises.
         Raft tolerates loss: a message that cannot go is dropped."""
 
+    def send_snapshot(self, member_id: int, message: bytes, path: str) -> None:
+        """Queue a raft snapshot message whose snapshot data is left empty: the
+        snapshot is the file at `path`, streamed to the peer after the message
+        (and after the raft messages queued for that peer by then)."""
+
     async def request(
         self, member_id: int, request: peer_pb2.Request, timeout: float
     ) -> peer_pb2.Answer:
@@ -55,6 +60,10 @@ class PeerHandler(Protocol):
     async def answer(self, request: peer_pb2.Request) -> peer_pb2.Answer:
         """The answer to a peer's request (the transport sets its id)."""
         ...
+
+    def deliver_snapshot(self, message: bytes, path: str) -> None:
+        """A raft snapshot message from a peer (its snapshot data empty) and the
+        file its snapshot was written to; the handler owns the file from now on."""
 
     def peer_closed(self, member_id: int) -> None:
         """A connection that peer dialled was closed by it: a hint (never proof)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,38 +128,68 @@ class RaftStorage:
             self._seq = self.wal.last_index
             raise
 
-    def raw_snapshot(self) -> bytes:
-        """The newest snapshot file's bytes (what a lagging follower is sent)."""
-        indexes = self.snapshots.indexes()
-        if not indexes:
-            return b""
-        with open(self.snapshots._path(indexes[-1]), "rb") as f:
-            return f.read()
+    @property
+    def snapshot_dir(self) -> str:
+        """Where snapshots live, and where those peers send are written as they
+        arrive (as `*.tmp` files, which a restart removes)."""
+        return self.snapshots.directory
 
-    def snapshot_job_encoded(
+    def snapshot_path(self, index: int) -> str:
+        """The snapshot file at raft `index` (what a lagging follower is sent)."""
+        return self.snapshots.path(index)
+
+    def snapshot_job(
         self,
         index: int,
-        data: bytes,
+        state: dict[str, Any],
+        raft_term: int,
+        voters: Iterable[int],
         hard_state: tuple[int, int, int],
         entries_after: list[StoredEntry],
     ) -> Callable[[], int]:
-        """A snapshot at raft `index`, already encoded (`snapshot.encode(index,
-        state, raft_term, voters)`). The records that restart the WAL
-        are numbered now (on the event loop, in order with every other write); the
-        returned blocking function, run in the writer thread after the writes
-        queued before it, saves the snapshot, starts a new segment with those
-        records and deletes the older segments. It returns the snapshot's size."""
+        """A snapshot of `state` at raft `index`. The records that restart the WAL
+        are numbered now (on the event loop, in order with every other write);
+        the returned blocking function, run in the writer thread after the writes
+        queued before it, streams the snapshot to its file, starts a new segment
+        with those records and deletes the older segments. It returns the
+        snapshot's size. `state` must not change meanwhile (an export is a copy)."""
+        restart = self._wal_restart(hard_state, entries_after)
+        voters = tuple(voters)
+
+        def run() -> int:
+            size = self.snapshots.save(index, state, raft_term, voters)
+            restart()
+            return size
+
+        return run
+
+    def install_job(
+        self, index: int, received: str, hard_state: tuple[int, int, int]
+    ) -> Callable[[], int]:
+        """A snapshot a peer sent, already written to `received` in the snapshot
+        dir and checked: the blocking function makes it durable, moves it to its
+        place and restarts the WAL after it (nothing of the old log is kept)."""
+        restart = self._wal_restart(hard_state, [])
+
+        def run() -> int:
+            size = self.snapshots.adopt(index, received)
+            restart()
+            return size
+
+        return run
+
+    def _wal_restart(
+        self, hard_state: tuple[int, int, int], entries_after: list[StoredEntry]
+    ) -> Callable[[], None]:
         records = [encode_hard_state(*hard_state)] + [encode_entry(e) for e in entries_after]
         wal_data, last = self.encode(records)
         first = last - len(records) + 1
 
-        def run() -> int:
-            size = self.snapshots.save_encoded(index, data)
+        def run() -> None:
             self.wal.last_index = first - 1
             self.wal.rotate()
             self.wal.write(wal_data, last)
             self.wal.remove_covered(first - 1)
-            return size
 
         return run
 

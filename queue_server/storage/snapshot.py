@@ -118,7 +118,8 @@ class SnapshotStore:
         self.fsync_enabled = fsync
         os.makedirs(directory, exist_ok=True)
 
-    def _path(self, index: int) -> str:
+    def path(self, index: int) -> str:
+        """The file of the snapshot at `index`."""
         return os.path.join(self.directory, f"{index:020d}.snap")
 
     def indexes(self) -> list[int]:
@@ -141,10 +142,21 @@ class SnapshotStore:
         """Write an already encoded snapshot (see `encode`) durably."""
         return self._replace(index, lambda f: f.write(data))
 
+    def adopt(self, index: int, received: str) -> int:
+        """Make a snapshot file written elsewhere in this directory (one a peer
+        sent, already checked) the snapshot at `index`: fsync, rename, prune."""
+        with open(received, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if self.fsync_enabled:
+                os.fsync(f.fileno())
+        os.replace(received, self.path(index))
+        self._settle()
+        return size
+
     def _replace(self, index: int, write: Callable[[IO[bytes]], int]) -> int:
         """Write the file through `write(fileobj) -> size` under a temporary name,
         fsync, rename over the snapshot at `index`, prune old ones."""
-        tmp = self._path(index) + ".tmp"
+        tmp = self.path(index) + ".tmp"
         try:
             with open(tmp, "wb") as f:
                 size = write(f)
@@ -155,12 +167,16 @@ class SnapshotStore:
             with contextlib.suppress(OSError):  # a full disk: give the space back
                 os.remove(tmp)
             raise
-        os.replace(tmp, self._path(index))
+        os.replace(tmp, self.path(index))
+        self._settle()
+        return size
+
+    def _settle(self) -> None:
+        """After a new snapshot is in place: make the rename durable, prune."""
         if self.fsync_enabled:
             fsync_dir(self.directory)
         for old in self.indexes()[:-KEEP_SNAPSHOTS]:
-            os.remove(self._path(old))
-        return size
+            os.remove(self.path(old))
 
     def _remove_interrupted(self) -> None:
         for name in os.listdir(self.directory):
@@ -169,7 +185,7 @@ class SnapshotStore:
 
     def _load(self, index: int) -> SnapshotContents:
         """The snapshot at `index`, a legacy one rewritten in today's format."""
-        path = self._path(index)
+        path = self.path(index)
         with open(path, "rb") as f:
             snap, legacy = read_local_snapshot(f, path)
         if snap.index != index:
@@ -216,7 +232,7 @@ class SnapshotStore:
     def set_aside(self, index: int) -> str:
         """Rename a snapshot that failed its checks to `.broken` (as etcd does)
         so it is kept for inspection and never loaded again; returns the name."""
-        path = self._path(index)
+        path = self.path(index)
         os.replace(path, path + ".broken")
         if self.fsync_enabled:
             fsync_dir(self.directory)

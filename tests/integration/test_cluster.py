@@ -330,6 +330,7 @@ def test_a_member_behind_the_compacted_log_catches_up_by_snapshot(tmp_path: Path
             assert time.monotonic() < deadline
             time.sleep(0.05)  # poll its local state, bounded
         assert "installed snapshot" in follower.log_text()
+        assert "snapshot received" in follower.log_text()  # streamed to a file, then installed
     finally:
         c.stop()
 

@@ -3,9 +3,10 @@
 A process that reaches a member's peer port speaks the peer wire
 (`etcdserverpb/peer.proto`) as the leader would, and sends a raft snapshot
 message whose data is a pickle built to create a directory when unpickled (and
-the same pickle in the old `QSNAP1` framing, and plain garbage). The member must
-refuse each with a clear log line, run nothing, move to no new term, and go on
-serving with the same data as the others.
+the same pickle in the old `QSNAP1` framing, and plain garbage), each both
+streamed as the leader's transport sends snapshots and inside a raft batch. The
+member must refuse each with a clear log line, run nothing, keep no file, move
+to no new term, and go on serving with the same data as the others.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import struct
 import time
 import zlib
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -54,12 +56,28 @@ def frame(f: peer_pb2.PeerFrame) -> bytes:
     return struct.pack(">I", len(body)) + body
 
 
-def send_as_leader(member: Member, leader_id: int, to_id: int, message: Message) -> None:
-    """Dial the member's peer port, say Hello as the leader, send one raft batch."""
+def send_as_leader(
+    member: Member, leader_id: int, to_id: int, message: Message, streamed: bool
+) -> None:
+    """Dial the member's peer port, say Hello as the leader, then send the
+    snapshot message as the leader's transport does (`streamed`: the message
+    with empty data, then the data in chunks) or inside a raft batch."""
     hello = peer_pb2.Hello(wire_version=WIRE_VERSION, from_member=leader_id, to_member=to_id)
-    batch = peer_pb2.RaftBatch(messages=[message.to_bytes()])
+    frames = [peer_pb2.PeerFrame(hello=hello)]
+    if streamed:
+        assert message.snapshot is not None
+        data = message.snapshot.data
+        bare = replace(message, snapshot=replace(message.snapshot, data=b""))
+        start = peer_pb2.SnapshotStart(message=bare.to_bytes(), size=len(data))
+        frames.append(peer_pb2.PeerFrame(snapshot_start=start))
+        for at in range(0, len(data), 16):
+            chunk = peer_pb2.SnapshotChunk(data=data[at : at + 16])
+            frames.append(peer_pb2.PeerFrame(snapshot_chunk=chunk))
+    else:
+        batch = peer_pb2.RaftBatch(messages=[message.to_bytes()])
+        frames.append(peer_pb2.PeerFrame(raft=batch))
     with socket.create_connection(("127.0.0.1", member.peer_port), timeout=5) as s:
-        s.sendall(frame(peer_pb2.PeerFrame(hello=hello)) + frame(peer_pb2.PeerFrame(raft=batch)))
+        s.sendall(b"".join(frame(f) for f in frames))
         s.shutdown(socket.SHUT_WR)
         s.settimeout(5)
         while s.recv(4096):  # the member closes once it has read everything
@@ -96,7 +114,8 @@ def test_a_snapshot_that_is_not_a_valid_one_is_refused_and_nothing_runs(
     bodies = [payload, legacy_framing(payload, index), b"QSNAP2\n" + os.urandom(64)]
     refusal = "raft snapshot refused"
     before = follower.log_text().count(refusal)
-    for n, data in enumerate(bodies, start=1):
+    sent = 0
+    for data in bodies:
         message = Message(
             MessageType.SNAP,
             leader_id,
@@ -104,12 +123,17 @@ def test_a_snapshot_that_is_not_a_valid_one_is_refused_and_nothing_runs(
             term=term,
             snapshot=Snapshot(SnapshotMeta(index, term, voters), data),
         )
-        send_as_leader(follower, leader_id, follower_id, message)
-        wait_for_log(follower, refusal, before + n)
+        for streamed in (True, False):
+            send_as_leader(follower, leader_id, follower_id, message, streamed)
+            sent += 1
+            wait_for_log(follower, refusal, before + sent)
 
     assert not marker.exists(), "the pickle ran"
     logged = follower.log_text()
-    assert "is not a valid snapshot" in logged
+    assert logged.count("is not a valid snapshot") >= len(bodies)  # the streamed ones
+    assert "snapshots come streamed" in logged  # the ones inside a raft batch
+    snap_dir = follower.data_dir / "raft" / "snap"
+    assert not list(snap_dir.glob("*.tmp")), "a refused snapshot's file was left behind"
     assert "raft installed snapshot" not in logged
     # Still the same member in the same term, serving the same data as the others.
     after = follower.status()

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import ssl
 import struct
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
@@ -62,6 +65,8 @@ class Recorder:
         self.batches: list[list[bytes]] = []
         self.requests: list[peer_pb2.Request] = []
         self.closed_by: list[int] = []
+        self.snapshots: list[tuple[bytes, bytes]] = []
+        """(message, the received file's bytes) of each snapshot handed over."""
         self.answerer = answerer
         self._changed = asyncio.Event()
 
@@ -80,6 +85,12 @@ class Recorder:
 
     def peer_closed(self, member_id: int) -> None:
         self.closed_by.append(member_id)
+        self._changed.set()
+
+    def deliver_snapshot(self, message: bytes, path: str) -> None:
+        with open(path, "rb") as f:
+            self.snapshots.append((message, f.read()))
+        os.remove(path)  # the handler owns the file
         self._changed.set()
 
     async def until(self, ready: Callable[[], bool], timeout: float = WAIT) -> None:
@@ -114,7 +125,10 @@ class Member:
         self.handler = handler or Recorder()
         self.port = port or free_port()
         self.url = url(self.port, scheme)
-        self.transport = PeerTransport(member_id, client_ssl=client_ssl)
+        self.snapshot_dir = tempfile.mkdtemp(prefix="peer-wire-snap-")
+        self.transport = PeerTransport(
+            member_id, client_ssl=client_ssl, snapshot_dir=self.snapshot_dir
+        )
 
     async def start(self, server_ssl: ssl.SSLContext | None = None) -> Member:
         await self.transport.serve([self.url], server_ssl, self.handler)
@@ -354,6 +368,67 @@ async def test_a_new_url_replaces_the_connection(pair: tuple[Member, Member]) ->
 
 def propose(command: bytes) -> peer_pb2.Request:
     return peer_pb2.Request(propose=peer_pb2.Proposal(command=command))
+
+
+async def test_a_snapshot_streams_from_a_file_to_a_file(
+    pair: tuple[Member, Member], tmp_path: Path
+) -> None:
+    a, b = pair
+    size = 3 * peer_wire.SNAPSHOT_CHUNK + 12_345
+    source = tmp_path / "00000000000000000042.snap"
+    source.write_bytes(os.urandom(size))
+    a.transport.send(B, b"before")
+    a.transport.send_snapshot(B, b"snap-message", str(source))
+    a.transport.send(B, b"after")
+    await b.handler.until(lambda: len(b.handler.snapshots) == 1)
+    assert b.handler.snapshots == [(b"snap-message", source.read_bytes())]
+    assert b.handler.messages == [b"before", b"after"]  # queued together, sent first
+    assert os.listdir(b.snapshot_dir) == []
+
+
+async def test_a_snapshot_whose_file_is_gone_is_dropped(pair: tuple[Member, Member]) -> None:
+    a, b = pair
+    a.transport.send_snapshot(B, b"snap-message", "/nonexistent/00000000000000000001.snap")
+    a.transport.send(B, b"next")
+    await b.handler.until(lambda: b.handler.messages == [b"next"])
+    assert b.handler.snapshots == [] and a.transport.dropped == 1
+
+
+async def test_a_broken_snapshot_stream_leaves_no_file(pair: tuple[Member, Member]) -> None:
+    _, b = pair
+    reader, writer = await asyncio.open_connection("127.0.0.1", b.port)
+    start = peer_pb2.SnapshotStart(message=b"m", size=100)
+    chunk = peer_pb2.SnapshotChunk(data=b"x" * 40)
+    writer.write(
+        hello(B)
+        + encode(peer_pb2.PeerFrame(snapshot_start=start))
+        + encode(peer_pb2.PeerFrame(snapshot_chunk=chunk))
+    )
+    await writer.drain()
+    writer.close()  # 60 bytes short
+    await closed_by_peer(reader)
+    await b.handler.until(lambda: b.handler.closed_by == [A])
+    assert b.handler.snapshots == [] and os.listdir(b.snapshot_dir) == []
+
+
+async def test_a_snapshot_longer_than_announced_is_refused(
+    pair: tuple[Member, Member], caplog: pytest.LogCaptureFixture
+) -> None:
+    _, b = pair
+    caplog.set_level(logging.WARNING, logger=peer_wire.__name__)
+    reader, writer = await asyncio.open_connection("127.0.0.1", b.port)
+    start = peer_pb2.SnapshotStart(message=b"m", size=10)
+    chunk = peer_pb2.SnapshotChunk(data=b"x" * 40)
+    writer.write(
+        hello(B)
+        + encode(peer_pb2.PeerFrame(snapshot_start=start))
+        + encode(peer_pb2.PeerFrame(snapshot_chunk=chunk))
+    )
+    await writer.drain()
+    assert await closed_by_peer(reader)
+    writer.close()
+    assert b.handler.snapshots == [] and os.listdir(b.snapshot_dir) == []
+    assert "longer than the 10 bytes announced" in caplog.text
 
 
 async def test_request_and_answer(pair: tuple[Member, Member]) -> None:

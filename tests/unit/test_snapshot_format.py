@@ -173,7 +173,8 @@ def test_a_legacy_raft_snapshot_keeps_its_raft_position(tmp_path: Path) -> None:
     storage.close()
     assert (got.snapshot_index, got.snapshot_term, got.voters) == (39, 3, (1, 2))
     assert got.state == sm.export_state()
-    raw = storage.raw_snapshot()  # what a follower would be sent: the new format
+    # What a follower would be sent is the file, now in the new format.
+    raw = Path(storage.snapshot_path(39)).read_bytes()
     assert snapshot.decode(raw, LEADER).voters == (1, 2)
 
 
