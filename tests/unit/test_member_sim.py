@@ -1,0 +1,115 @@
+"""Whole members under faults, in the deterministic simulation of
+tests/support/member_sim.py: the real member driver, Raft core and state
+machine over a simulated network (loss, duplication, delay and reordering,
+symmetric and one-way partitions), disk (crashes before, after or in the middle
+of a write) and clock (virtual time), with clients whose histories must be
+linearizable and members that must agree.
+
+Scale: CI runs MEMBER_SIM_CI_SEEDS seeds (default 16) of 300 operations. The
+nightly size is `MEMBER_SIM_SEEDS=500 pytest tests/unit/test_member_sim.py -k
+nightly` (MEMBER_SIM_OPS operations each, default 600). A failure names its seed;
+rerun one with `python -c 'from tests.support.member_sim import run; print(run(SEED,
+OPS))'`: the same seed gives the same run, event for event.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from queue_server.replication.driver import ClusterLog
+from tests.support.member_sim import DiskFaults, SimConfig, SimReport, config_for, run
+
+pytestmark = pytest.mark.unit
+
+CI_SEEDS = int(os.environ.get("MEMBER_SIM_CI_SEEDS", "16"))
+CI_OPS = 300
+NIGHTLY_SEEDS = int(os.environ.get("MEMBER_SIM_SEEDS", "0"))
+NIGHTLY_OPS = int(os.environ.get("MEMBER_SIM_OPS", "600"))
+
+
+def explain(report: SimReport) -> str:
+    return "\n".join([*report.violations, "last events:", *report.trace_tail])
+
+
+@pytest.mark.parametrize("seed", range(CI_SEEDS), ids=lambda s: f"seed_{s}")
+def test_members_stay_safe_and_linearizable_under_faults(seed: int) -> None:
+    report = run(seed, CI_OPS)
+    assert not report.violations, explain(report)
+    assert report.writes_ok > 0 and report.reads_ok > 0
+
+
+def test_the_runs_exercise_the_interesting_paths() -> None:
+    reports = [run(seed, 200) for seed in range(8)]
+
+    def total(attr: str) -> int:
+        return sum(getattr(r, attr) for r in reports)
+
+    assert all(not r.violations for r in reports), [r.violations for r in reports]
+    assert total("crashes") > 10 and total("partitions") > 10
+    assert total("snapshots_saved") > 20 and total("snapshots_installed") > 0
+    assert total("writes_unknown") > 0 and total("leaders") > len(reports)
+    assert {r.members for r in reports} == {3, 5}
+
+
+def test_a_seed_replays_identically() -> None:
+    first = run(6, 200)
+    again = run(6, 200)
+    assert first == again and first.trace_digest and first.state_digest[0] > 0
+
+
+# The checks must be able to fail: break the system on purpose and they object.
+
+
+def test_checks_catch_a_disk_that_acknowledges_before_it_is_durable() -> None:
+    """A write cache that ignores fsync: members forget what they acknowledged."""
+    config = SimConfig(
+        disk=DiskFaults(volatile_seconds=1.0),
+        fault_weights={"crash": 0.5, "restart": 0.2, "heal": 0.1, "partition": 0.2},
+    )
+    found = [v for seed in range(6) for v in run(seed, 300, config).violations]
+    assert any("state machine safety" in v or "election safety" in v for v in found), found
+
+
+def test_checks_catch_reads_without_a_read_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reads served from local state at once (serializable) are stale on a
+    lagging member: the linearizability check must see it."""
+
+    async def no_round(self: ClusterLog) -> None:
+        return None
+
+    monkeypatch.setattr(ClusterLog, "linearize", no_round)
+    found = [v for seed in range(4) for v in run(seed, 300).violations]
+    assert any("linearizability" in v for v in found), found
+
+
+# Findings: real bugs the simulation found, kept failing until fixed.
+
+DEFRAGMENT_HEAVY = SimConfig(
+    fsync=(0.005, 0.02),
+    fault_every=(0.05, 0.4),
+    fault_weights={"snapshot_now": 0.6, "crash": 0.2, "restart": 0.2},
+)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="ClusterLog.snapshot_now while a Ready's write is in flight: _snapshot restarts "
+    "the WAL with the entries up to stable_last only and deletes the older segment, into "
+    "which the in-flight write lands, so its (acknowledged) entries are lost and the member "
+    "cannot restart (raft wal: first entry after the snapshot leaves a gap)",
+)
+def test_a_snapshot_taken_during_a_write_keeps_the_written_entries() -> None:
+    report = run(1, 300, DEFRAGMENT_HEAVY)
+    assert not report.violations, explain(report)
+
+
+@pytest.mark.skipif(
+    NIGHTLY_SEEDS == 0,
+    reason="nightly size: MEMBER_SIM_SEEDS=500 pytest tests/unit/test_member_sim.py -k nightly",
+)
+@pytest.mark.parametrize("seed", range(NIGHTLY_SEEDS or 1), ids=lambda s: f"seed_{s}")
+def test_nightly(seed: int) -> None:
+    report = run(seed, NIGHTLY_OPS, config_for(seed))
+    assert not report.violations, explain(report)
