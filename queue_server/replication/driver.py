@@ -765,9 +765,14 @@ class ClusterLog:
         term = core.log.term(index) or 0
         voters = core.conf_at(index)
         core.compact(index, SNAPSHOT_IN_FILE)
+        # Every entry the core holds after `index` goes into the restarted WAL,
+        # those whose write is still in flight included: that write lands in the
+        # segment this job deletes (found by the member simulation, with
+        # Defragment during a write). Replay's replacement rule resolves an entry
+        # written twice.
         later = [
             StoredEntry(e.index, e.term, int(e.kind), e.data)
-            for e in core.log.slice(index + 1, core.log.stable_last)
+            for e in core.log.slice(index + 1, core.log.last_index)
         ]
         job = self.storage.snapshot_job(
             index, state, term, voters, (hs.term, hs.vote, hs.commit), later

@@ -61,11 +61,14 @@ import asyncio
 import contextvars
 import hashlib
 import math
+import os
 import random
 import selectors
+import shutil
 import struct
+import tempfile
 from collections import Counter, deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,6 +91,10 @@ from tests.support.linearizability import Op, linearizable
 Command = internal_pb2.Command
 
 # -- virtual time -------------------------------------------------------------------
+
+
+SIM_SNAPSHOT = "sim-snapshot:"
+"""How a simulated disk names a snapshot for the network (see `snapshot_path`)."""
 
 
 class SimStalled(RuntimeError):
@@ -222,7 +229,9 @@ class SimDisk:
     replaces i and everything after it, the last hard state wins, entries at or
     below the newest snapshot are skipped."""
 
-    def __init__(self, faults: DiskFaults | None = None) -> None:
+    def __init__(self, incoming: str, faults: DiskFaults | None = None) -> None:
+        self.incoming = incoming
+        """A real directory: the driver reads a snapshot a peer sent from a file."""
         self.segments: list[list[bytes]] = [[]]
         self.snapshots: list[tuple[int, bytes]] = []
         self.faults = faults or DiskFaults()
@@ -294,13 +303,14 @@ def _read_snapshot(index: int, data: bytes) -> dict[str, Any]:
     """A stored snapshot's payload ({"index", "term", "voters", "state"}), read
     with the snapshot module the driver encodes with (the one place the
     simulation touches the snapshot format)."""
-    _, payload = snapshot_format.decode(data, f"sim snapshot {index}")
-    return dict(payload)
+    got = snapshot_format.decode(data, f"sim snapshot {index}")
+    return {"index": got.index, "term": got.raft_term, "voters": got.voters, "state": got.state}
 
 
 class SnapshotJob:
-    """`snapshot_job_encoded`'s blocking function, in the three steps a crash
-    can fall between (save the snapshot, start a new WAL segment, drop the old)."""
+    """`snapshot_job`'s and `install_job`'s blocking function, in the three steps
+    a crash can fall between (save the snapshot, start a new WAL segment, drop
+    the old)."""
 
     def __init__(self, storage: SimStorage, index: int, data: bytes, records: list[bytes]):
         self.storage = storage
@@ -344,20 +354,46 @@ class SimStorage:
         if not self.dead:
             self.disk.append(_unframe(data), self.loop.time())
 
-    def raw_snapshot(self) -> bytes:
-        return self.disk.snapshots[-1][1] if self.disk.snapshots else b""
+    @property
+    def snapshot_dir(self) -> str:
+        return self.disk.incoming
 
-    def snapshot_job_encoded(
+    def snapshot_path(self, index: int) -> str:
+        """Not a file: the network reads the snapshot's bytes off this disk."""
+        return f"{SIM_SNAPSHOT}{index}"
+
+    def snapshot_bytes(self, path: str) -> bytes | None:
+        """The snapshot `snapshot_path` named, if this disk still has it."""
+        index = int(path.removeprefix(SIM_SNAPSHOT))
+        return next((data for i, data in self.disk.snapshots if i == index), None)
+
+    def snapshot_job(
         self,
         index: int,
-        data: bytes,
+        state: dict[str, Any],
+        raft_term: int,
+        voters: Iterable[int],
         hard_state: tuple[int, int, int],
         entries_after: list[StoredEntry],
     ) -> Callable[[], int]:
+        data = snapshot_format.encode(index, state, raft_term=raft_term, voters=voters)
+        return SnapshotJob(self, index, data, self._restart_records(hard_state, entries_after))
+
+    def install_job(
+        self, index: int, received: str, hard_state: tuple[int, int, int]
+    ) -> Callable[[], int]:
+        with open(received, "rb") as f:
+            data = f.read()
+        os.remove(received)
+        return SnapshotJob(self, index, data, self._restart_records(hard_state, []))
+
+    def _restart_records(
+        self, hard_state: tuple[int, int, int], entries_after: list[StoredEntry]
+    ) -> list[bytes]:
         records = [encode_hard_state(*hard_state)]
         records += [encode_entry(e) for e in entries_after]
         self._seq += len(records)
-        return SnapshotJob(self, index, data, records)
+        return records
 
     def close(self) -> None:
         return None
@@ -465,6 +501,7 @@ class SimNetwork:
         """(from, to) pairs that cannot talk: partitions, possibly one-way."""
         self.sent = 0
         self.delivered = 0
+        self.snapshot_files = 0
 
     def can_reach(self, src: int, dst: int) -> bool:
         return (src, dst) not in self.blocked
@@ -486,6 +523,30 @@ class SimNetwork:
             return
         self.delivered += 1
         member.ctx.run(member.log.deliver, [raw])
+
+    def send_snapshot(self, src: int, dst: int, message: bytes, path: str) -> None:
+        """A snapshot travels like a raft message: read off the sender's disk when
+        sent, written to a file of the receiver's when it arrives (as the peer
+        transport does), then handed to its driver with the file."""
+        self.sent += 1
+        sender = self.sim.members.get(src)
+        if sender is None or sender.storage is None:
+            return
+        data = sender.storage.snapshot_bytes(path)
+        if data is None or not self.can_reach(src, dst) or self.rng.random() < self.config.drop:
+            return
+        self.sim.loop.call_later(self._delay(), self._snapshot_arrives, src, dst, message, data)
+
+    def _snapshot_arrives(self, src: int, dst: int, message: bytes, data: bytes) -> None:
+        member = self.sim.members.get(dst)
+        if member is None or member.log is None or not self.can_reach(src, dst):
+            return
+        self.delivered += 1
+        self.snapshot_files += 1
+        path = os.path.join(member.disk.incoming, f"{src:x}-{self.snapshot_files}.incoming.tmp")
+        with open(path, "wb") as f:
+            f.write(data)
+        member.ctx.run(member.log.deliver_snapshot, message, path)
 
     async def request(
         self, src: int, dst: int, request: peer_pb2.Request, timeout: float
@@ -548,6 +609,9 @@ class SimPeers:
 
     def send(self, member_id: int, message: bytes) -> None:
         self.network.send(self.member_id, member_id, message)
+
+    def send_snapshot(self, member_id: int, message: bytes, path: str) -> None:
+        self.network.send_snapshot(self.member_id, member_id, message, path)
 
     async def request(
         self, member_id: int, request: peer_pb2.Request, timeout: float
@@ -681,7 +745,10 @@ class MemberSim:
         self.fault_rng = random.Random(self.rng.getrandbits(64))
         self.client_rng = random.Random(self.rng.getrandbits(64))
         self.disk_rng = random.Random(self.rng.getrandbits(64))
-        self.members = {i: SimMember(i, SimDisk(config.disk)) for i in self.ids}
+        self.files = tempfile.mkdtemp(prefix="member-sim-")
+        self.members = {
+            i: SimMember(i, SimDisk(self._incoming_dir(i), config.disk)) for i in self.ids
+        }
         self.report = SimReport(seed, members=config.members)
         self.history: dict[bytes, list[Op]] = {}
         self.leaders: dict[int, int] = {}
@@ -1110,6 +1177,11 @@ class MemberSim:
         report.trace_tail = list(self._tail) if report.violations else []
         return report
 
+    def _incoming_dir(self, member_id: int) -> str:
+        path = os.path.join(self.files, f"{member_id:x}")
+        os.mkdir(path)
+        return path
+
     def close(self) -> None:
         loop = self.loop
         tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
@@ -1118,6 +1190,7 @@ class MemberSim:
         if tasks:
             loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
         loop.close()
+        shutil.rmtree(self.files, ignore_errors=True)
 
 
 def run(seed: int, size: int, config: SimConfig | None = None) -> SimReport:
