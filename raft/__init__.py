@@ -1,6 +1,10 @@
-"""Raft consensus as an I/O-free core (etcd-`raft` style: step, tick, propose, ready,
-advance) plus a deterministic simulator to test it. See `raft.core` for the
-driver's contract."""
+"""Raft consensus as an I/O-free library (etcd-`raft` style: step, tick, propose,
+ready, advance): it reads no clock, touches no disk or socket, and imports nothing
+of the server. `raft.core`'s docstring is the driver's contract (the Ready
+contract); `raft.messages` owns the versioned binary encodings of entries, hard
+state, snapshots and messages. Its deterministic simulator lives with its tests
+(`tests/support/raft_sim.py`); the server's driver is
+`queue_server/replication/driver.py`."""
 
 from raft.core import (
     TRANSFER_CONTEXT,
