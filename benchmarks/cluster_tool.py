@@ -83,6 +83,7 @@ from benchmarks.etcd_tool import (
     Server,
     Workload,
     children_cpu,
+    chosen_workloads,
     etcd_version,
     free_port,
     git_commit,
@@ -882,11 +883,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         f"{FULL_RUN_TIMEOUT:.0f} full)",
     )
     args = p.parse_args(argv)
-    names = [s.strip() for s in str(args.workloads).split(",") if s.strip()]
-    unknown = [s for s in names if s not in WORKLOADS_BY_NAME]
-    if unknown or not names:
-        p.error(f"unknown workload(s) {unknown}; choose from {','.join(WORKLOADS_BY_NAME)}")
-    args.workload_list = [WORKLOADS_BY_NAME[s] for s in names]
+    args.workload_list = chosen_workloads(p, args.workloads, WORKLOADS_BY_NAME)
     modes = {w.mode for w in args.workload_list}
     tool = (
         args.tool

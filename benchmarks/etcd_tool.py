@@ -55,7 +55,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TOOL = Path("/tmp/tools/etcd-benchmark")
@@ -796,6 +796,19 @@ def etcd_version(binary: str) -> str:
 # --- main ----------------------------------------------------------------------------------
 
 
+W = TypeVar("W")
+
+
+def chosen_workloads(p: argparse.ArgumentParser, text: object, by_name: dict[str, W]) -> list[W]:
+    """The workloads a comma-separated --workloads names, in its order; a name
+    not in `by_name` (or none at all) is a usage error."""
+    names = [s.strip() for s in str(text).split(",") if s.strip()]
+    unknown = [s for s in names if s not in by_name]
+    if unknown or not names:
+        p.error(f"unknown workload(s) {unknown}; choose from {','.join(by_name)}")
+    return [by_name[s] for s in names]
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.etcd_tool",
@@ -832,11 +845,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         f"{FULL_RUN_TIMEOUT:.0f} full)",
     )
     args = p.parse_args(argv)
-    names = [s.strip() for s in str(args.workloads).split(",") if s.strip()]
-    unknown = [s for s in names if s not in WORKLOADS_BY_NAME]
-    if unknown or not names:
-        p.error(f"unknown workload(s) {unknown}; choose from {','.join(WORKLOADS_BY_NAME)}")
-    args.workload_list = [WORKLOADS_BY_NAME[s] for s in names]
+    args.workload_list = chosen_workloads(p, args.workloads, WORKLOADS_BY_NAME)
     tool = args.tool or (
         str(DEFAULT_TOOL) if DEFAULT_TOOL.exists() else shutil.which("etcd-benchmark")
     )

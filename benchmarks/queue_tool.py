@@ -66,6 +66,7 @@ from benchmarks.etcd_tool import (
     OursServer,
     Server,
     children_cpu,
+    chosen_workloads,
     etcd_version,
     git_commit,
     machine_busy_cpu,
@@ -628,11 +629,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         f"{QUICK_DRIVER_TIMEOUT:.0f} quick, {FULL_DRIVER_TIMEOUT:.0f} full)",
     )
     args = p.parse_args(argv)
-    names = [s.strip() for s in str(args.workloads).split(",") if s.strip()]
-    unknown = [s for s in names if s not in WORKLOADS_BY_NAME]
-    if unknown or not names:
-        p.error(f"unknown workload(s) {unknown}; choose from {','.join(WORKLOADS_BY_NAME)}")
-    args.workload_list = [WORKLOADS_BY_NAME[s] for s in names]
+    args.workload_list = chosen_workloads(p, args.workloads, WORKLOADS_BY_NAME)
     if args.tool is not None and not args.tool.exists():
         p.error(f"no driver at {args.tool}; build one: bash {BUILD_SCRIPT} OUT")
     if args.tool is None and shutil.which("go") is None:
