@@ -2,14 +2,17 @@
 
 Maintenance: Status, Alarm (GET is a local read; ACTIVATE/DEACTIVATE go through
 the log), Defragment (takes a snapshot and trims the log: our equivalent of
-giving space back), Hash/HashKV (a checksum of the kept history), Snapshot (a
-stream of our snapshot file, which `queue-server restore` turns into a data dir).
+giving space back), Hash/HashKV (a checksum of the kept history), Snapshot (an etcd backend
+database of our state, which `etcdctl snapshot restore` and `queue-server
+restore` turn into a data dir).
 MoveLeader and Downgrade answer UNIMPLEMENTED until there is a cluster.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -20,7 +23,7 @@ from queue_server.api.header import HeaderFiller
 from queue_server.apply import Proposer, StateMachine
 from queue_server.errors import EtcdError
 from queue_server.replication.membership import Membership
-from queue_server.storage import snapshot
+from queue_server.storage import etcd_backend
 from queue_server.transport.methods import Call
 
 Context = Call
@@ -35,6 +38,9 @@ _MembersResponse = TypeVar(
 SERVER_VERSION = "3.5.17"
 """The etcd release whose API we match; clients gate features on it."""
 
+
+SHA256_BYTES = 32
+"""etcd follows the db in the Snapshot stream with its sha256 (etcdctl checks it)."""
 
 SNAPSHOT_CHUNK_BYTES = 64 * 1024
 """Bytes per Snapshot stream message (etcd sends 32 KiB; larger chunks cost fewer
@@ -119,24 +125,31 @@ class MaintenanceService(rpc_pb2_grpc.MaintenanceServicer):
     async def Snapshot(
         self, request: rpc_pb2.SnapshotRequest, context: Context
     ) -> AsyncIterator[rpc_pb2.SnapshotResponse]:
-        """The whole state as one snapshot file, streamed in chunks."""
+        """The whole state as an etcd backend database (bbolt, with our queue
+        state in a bucket of its own; `storage/etcd_backend.py`), streamed in
+        chunks and followed by the sha256 of its bytes, as etcd streams its db:
+        `etcdctl snapshot status/restore` read it, and so does `queue-server
+        restore`. It is built in a temporary file, so memory holds the exported
+        state and one chunk, not the database."""
         index = self.state.applied_index
         state = self.state.export_state()
         loop = asyncio.get_running_loop()
-        data = await loop.run_in_executor(
-            None, lambda: snapshot.for_transfer(snapshot.encode(index, state))
-        )
-        view = memoryview(data)
-        total = len(data)
-        sent = 0
-        while True:
-            chunk = view[sent : sent + SNAPSHOT_CHUNK_BYTES]
-            sent += len(chunk)
-            resp = rpc_pb2.SnapshotResponse(remaining_bytes=total - sent, blob=bytes(chunk))
-            self.header.fill(resp.header)
-            yield resp
-            if sent >= total:
-                return
+        with tempfile.TemporaryFile() as db:
+            total = await loop.run_in_executor(
+                None, lambda: etcd_backend.write_etcd_db(db, index, state) + SHA256_BYTES
+            )
+            db.seek(0)
+            digest = hashlib.sha256()
+            sent = 0
+            while sent < total:
+                chunk = await loop.run_in_executor(None, db.read, SNAPSHOT_CHUNK_BYTES)
+                digest.update(chunk)
+                if sent + len(chunk) == total - SHA256_BYTES:
+                    chunk += digest.digest()
+                sent += len(chunk)
+                resp = rpc_pb2.SnapshotResponse(remaining_bytes=total - sent, blob=chunk)
+                self.header.fill(resp.header)
+                yield resp
 
 
 class ClusterService(rpc_pb2_grpc.ClusterServicer):
