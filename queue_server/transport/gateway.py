@@ -373,6 +373,9 @@ class HttpConnection(asyncio.Protocol):
         self._write_paused = False
         self._write_waiter: asyncio.Future[None] | None = None
         self._read_paused = False
+        self._discarding = 0
+        """Bytes of a body answered before it was read (404, 405): read and
+        dropped, up to `max_body`, so the connection can carry the next request."""
         self._idle_timer: asyncio.TimerHandle | None = None
         self.draining = False
 
@@ -467,17 +470,16 @@ class HttpConnection(asyncio.Protocol):
         method = request.method
         if self.h11.they_are_waiting_for_100_continue and route is not None:
             self._send(h11.InformationalResponse(status_code=100, reason=b"Continue", headers=[]))
-        if route is None:
+        self._discarding = 0
+        if route is None or method != b"POST":
+            self._discarding = 1
             page = self.settings.pages.get(path)
             if page is not None and method == b"GET":
                 self._task = self.loop.create_task(self._serve_page(page, path, query))
-            elif page is not None:
+            elif page is not None or route is not None:
                 self._send_plain(405, b"Method Not Allowed\n")
             else:
                 self._send_plain(404, b"Not Found\n")
-            return
-        if method != b"POST":
-            self._send_plain(405, b"Method Not Allowed\n")
             return
         headers = [(name.lower(), value) for name, value in request.headers]
         if route.method.request_streaming:
@@ -507,7 +509,10 @@ class HttpConnection(asyncio.Protocol):
             if backlog > STREAM_BACKLOG and not self._read_paused and self.transport is not None:
                 self._read_paused = True
                 self.transport.pause_reading()
-        # else: the rest of a body answered already (an error); dropped
+        elif self._discarding:
+            self._discarding += len(data)
+            if self._discarding > self.settings.max_body and self.transport is not None:
+                self.transport.close()
 
     def resume_body(self) -> None:
         if self._read_paused and self.transport is not None and not self.transport.is_closing():
@@ -665,6 +670,8 @@ class HttpConnection(asyncio.Protocol):
             self.resume_body()
             self._process()
         elif h.our_state is h11.DONE or h.our_state is h11.MUST_CLOSE:
+            if h.their_state is h11.SEND_BODY and self._discarding and not self.draining:
+                return  # the body of a request answered already is read to its end
             if h.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.IDLE):
                 self.idle.set()
                 transport.close()
