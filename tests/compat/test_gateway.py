@@ -5,15 +5,20 @@ bodies, the body limit, the GET pages, and gRPC and HTTP/1.1 on one port at once
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import shutil
 import socket
+import ssl
 import subprocess
+from pathlib import Path
 
 import pytest
 
+from etcdserverpb import rpc_pb2, rpc_pb2_grpc
 from tests.compat.test_gateway_differential import TIMEOUT, Client, Stream, b64
 from tests.support.processes import EtcdProcess, ServerProcess
+from tests.support.tls import make_pki
 
 pytestmark = pytest.mark.compat
 
@@ -104,3 +109,32 @@ def test_grpc_and_http_on_one_port(server: ServerProcess) -> None:
     assert get.stdout.strip() == "from-grpc"
     stream.close()
     client.close()
+
+
+def test_https_gateway_and_grpc(tmp_path: Path) -> None:
+    """On an https client URL, an ALPN http/1.1 client gets the gateway and a
+    gRPC (h2) client still gets gRPC."""
+    pki = make_pki(tmp_path / "pki")
+    srv = ServerProcess(
+        tmp_path / "tls.etcd",
+        extra_args=["--cert-file", str(pki.server.cert), "--key-file", str(pki.server.key)],
+        credentials=pki.credentials(),
+    ).start()
+    try:
+        context = ssl.create_default_context(cafile=str(pki.ca))
+        context.check_hostname = False
+        context.set_alpn_protocols(["http/1.1"])
+        host, port = srv.endpoint.split(":")
+        conn = http.client.HTTPSConnection(host, int(port), context=context, timeout=TIMEOUT)
+        conn.request("POST", "/v3/kv/put", body=json.dumps({"key": b64("t"), "value": b64("v")}))
+        response = conn.getresponse()
+        assert response.status == 200, response.read()
+        response.read()
+        assert conn.sock.selected_alpn_protocol() == "http/1.1"
+        with srv.channel() as channel:
+            stub = rpc_pb2_grpc.KVStub(channel)
+            got = stub.Range(rpc_pb2.RangeRequest(key=b"t"), timeout=TIMEOUT)
+        assert got.kvs[0].value == b"v"
+        conn.close()
+    finally:
+        srv.stop()
