@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Coroutine
 from typing import Any
+from urllib.parse import parse_qs
 
 from google.protobuf.descriptor import ServiceDescriptor
 from grpc import aio
@@ -34,6 +35,7 @@ from queue_server.api.auth import AuthService
 from queue_server.api.auth_gate import AuthGate, guard
 from queue_server.api.cqs import CqsService, QueueWaiters
 from queue_server.api.election import ElectionService
+from queue_server.api.gateway_routes import gateway_settings
 from queue_server.api.grpcio_server import generic_handlers
 from queue_server.api.header import HeaderFiller
 from queue_server.api.kv import KVService
@@ -50,7 +52,14 @@ from queue_server.config import GRPC_OVERHEAD_BYTES, Config, secure_url, url_to_
 from queue_server.cqs.watch_view import CqsWatchConsumers
 from queue_server.dashboard import DashboardSource
 from queue_server.errors import EtcdError, LeaseNotFound
-from queue_server.http_health import HealthChecker, HealthListener, ListenError
+from queue_server.http_health import (
+    TEXT,
+    HealthChecker,
+    HealthListener,
+    ListenError,
+    Request,
+    respond,
+)
 from queue_server.lease.expiry import ExpiryClock, ExpiryPolicy
 from queue_server.lease.ids import LeaseIdGenerator
 from queue_server.metrics import Membership as MetricsMembership
@@ -86,6 +95,9 @@ from queue_server.watch.hub import WatchHub
 
 log = logging.getLogger(__name__)
 
+GATEWAY_PAGES = ("/health", "/metrics", "/livez", "/readyz")
+"""The --listen-metrics-urls pages also answered on the client port (as etcd
+answers /health and /metrics there)."""
 SHUTDOWN_GRACE_SECONDS = 5.0
 """How long in-flight calls may take to finish at shutdown before being cut."""
 
@@ -474,6 +486,7 @@ class Server:
             max_concurrent_streams=min(cfg.max_concurrent_streams, STREAM_CAP),
             ping_min_interval=cfg.grpc_keepalive_min_time,
         )
+        pages = dict.fromkeys(GATEWAY_PAGES, self._health_page)
         native = NativeServer(
             ConnectionSettings(
                 table.by_raw_path(),
@@ -481,6 +494,11 @@ class Server:
                 max_receive_message=cfg.max_request_bytes + GRPC_OVERHEAD_BYTES,
                 keepalive_interval=cfg.grpc_keepalive_interval,
                 keepalive_timeout=cfg.grpc_keepalive_timeout,
+                # The HTTP/JSON gateway on the same port, over the same table. A
+                # JSON body carries bytes in base64 (a third larger) plus names.
+                gateway=gateway_settings(
+                    table, pages, cfg.max_request_bytes * 4 // 3 + GRPC_OVERHEAD_BYTES
+                ),
             )
         )
         self.grpc_server = native
@@ -500,6 +518,15 @@ class Server:
                 raise StartupError(
                     f"cannot listen on {address}: address in use or unavailable"
                 ) from e
+
+    async def _health_page(self, path: str, query: str) -> tuple[int, str, bytes]:
+        """/health, /metrics (and the probes) on the client port, as the
+        --listen-metrics-urls listener answers them."""
+        if self.health is None:
+            return 503, TEXT, b"starting\n"
+        request = Request("GET", path, parse_qs(query, keep_blank_values=True))
+        response = await respond(self.health.checker, request)
+        return response.status.value, response.content_type, response.body
 
     def _bind(self, server: aio.Server, urls: tuple[str, ...]) -> list[int]:
         """Listen on the client URLs (grpcio): https ones with the client TLS

@@ -111,10 +111,10 @@ def server_credentials(files: TLSFiles) -> grpc.ServerCredentials | None:
 
 def server_ssl_context(files: TLSFiles) -> ssl.SSLContext:
     """TLS for the native transport's https client listeners: our certificate,
-    ALPN h2, TLS 1.2 or later (as etcd), and with --client-cert-auth a client
+    ALPN h2 (gRPC) or http/1.1 (the HTTP/JSON gateway; h2 preferred), TLS 1.2 or later (as etcd), and with --client-cert-auth a client
     certificate signed by --trusted-ca-file (checked by `load_credentials` first)."""
     context = _listener_context(files)
-    context.set_alpn_protocols(["h2"])
+    context.set_alpn_protocols(["h2", "http/1.1"])
     return context
 
 

@@ -50,6 +50,8 @@ def service_methods(service: ServiceDescriptor, servicer: object) -> list[Method
                 parse=request.FromString,
                 handler=handler,
                 serialize=response.SerializeToString,
+                request_class=request,
+                response_class=response,
             )
         )
     return methods

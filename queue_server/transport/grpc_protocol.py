@@ -37,6 +37,7 @@ from typing import Any, NoReturn, cast
 from google.protobuf.message import DecodeError
 
 from queue_server.transport import header_blocks
+from queue_server.transport.gateway import GatewaySettings, HttpConnection
 from queue_server.transport.h2 import ErrorCode, H2Connection, Limits
 from queue_server.transport.methods import (
     STREAM_DECODE_ERROR,
@@ -75,6 +76,9 @@ _TIMEOUT_UNITS = {
 _RESERVED_METADATA = frozenset(
     (b"content-type", b"te", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding")
 )
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+"""The HTTP/2 client connection preface: a connection that starts otherwise is
+HTTP/1.1, handed to the gateway."""
 _NOT_GRPC_BODY = b"this port serves gRPC (content-type application/grpc)\n"
 _NOT_GRPC_HEADERS = header_blocks.block(
     [(b":status", b"415"), (b"content-type", b"text/plain; charset=utf-8")]
@@ -100,6 +104,8 @@ class ConnectionSettings:
     keepalive_timeout: float = 20.0
     preface_timeout: float = PREFACE_TIMEOUT
     clock: Callable[[], float] | None = None
+    gateway: GatewaySettings | None = None
+    """The HTTP/1.1 JSON gateway served on the same port (None: gRPC only)."""
 
 
 class NativeCall:
@@ -315,6 +321,11 @@ class GrpcConnection(asyncio.Protocol):
         self._ping_timer: asyncio.TimerHandle | None = None
         self.idle = asyncio.Event()
         self.idle.set()
+        self._sniffing = settings.gateway is not None
+        """Until the first bytes tell HTTP/2 from HTTP/1.1 (only with a gateway)."""
+        self._sniffed = b""
+        self.http: HttpConnection | None = None
+        """The HTTP/1.1 protocol this connection was handed to, if it was."""
 
     # -- asyncio.Protocol ----------------------------------------------------
 
@@ -332,6 +343,8 @@ class GrpcConnection(asyncio.Protocol):
         ssl_object = transport.get_extra_info("ssl_object")
         if ssl_object is not None:
             self.common_name = _common_name(ssl_object.getpeercert())
+            if ssl_object.selected_alpn_protocol() == "h2":
+                self._sniffing = False
         self._preface_timer = self.loop.call_later(
             self.settings.preface_timeout, self._preface_deadline
         )
@@ -339,9 +352,14 @@ class GrpcConnection(asyncio.Protocol):
             self._keepalive_timer = self.loop.call_later(
                 self.settings.keepalive_interval, self._keepalive
             )
-        self._flush()
+        if not self._sniffing:  # our SETTINGS wait until the client is known to speak h2
+            self._flush()
 
     def data_received(self, data: bytes) -> None:
+        if self._sniffing:
+            data = self._sniff(data)
+            if not data:
+                return
         h2 = self.h2
         h2.receive(data)
         if h2.closed and h2.error:
@@ -372,6 +390,41 @@ class GrpcConnection(asyncio.Protocol):
                 call.task.cancel()
         self.idle.set()
         self._on_close(self)
+
+    def _sniff(self, data: bytes) -> bytes:
+        """The first bytes: HTTP/2 (returns them, to be fed to h2 with our SETTINGS
+        sent first), or HTTP/1.1 (the connection is handed to the gateway; returns
+        nothing). Bytes that could still be the start of the preface are kept."""
+        data = self._sniffed + data
+        head = data[: len(PREFACE)]
+        if head == PREFACE[: len(head)]:
+            if len(head) < len(PREFACE):
+                self._sniffed = data
+                return b""
+            self._sniffing = False
+            self._sniffed = b""
+            return data
+        self._sniffing = False
+        self._sniffed = b""
+        self._to_http1(data)
+        return b""
+
+    def _to_http1(self, data: bytes) -> None:
+        """Hand the connection to an `HttpConnection` (the gateway) from here on."""
+        settings = self.settings.gateway
+        transport = self.transport
+        assert settings is not None and transport is not None
+        for timer in (self._preface_timer, self._keepalive_timer):
+            if timer is not None:
+                timer.cancel()
+        self._preface_timer = self._keepalive_timer = None
+        http = HttpConnection(
+            settings, self.peer_name, self.common_name, self.idle, lambda: self._on_close(self)
+        )
+        self.http = http
+        transport.set_protocol(http)
+        http.connection_made(transport)
+        http.data_received(data)
 
     # -- output --------------------------------------------------------------
 
@@ -642,6 +695,9 @@ class GrpcConnection(asyncio.Protocol):
 
     def drain(self) -> None:
         """A graceful stop: GOAWAY, finish the calls in flight, then close."""
+        if self.http is not None:
+            self.http.drain()
+            return
         if self.draining:
             return
         self.draining = True
@@ -661,6 +717,9 @@ class GrpcConnection(asyncio.Protocol):
     def close_now(self) -> None:
         """The grace period is over: close (an idle connection after writing its
         GOAWAY), cutting the calls still running."""
+        if self.http is not None:
+            self.http.close_now()
+            return
         if self.transport is None:
             return
         if self.calls:

@@ -68,6 +68,11 @@ class Method:
     parse: Callable[[bytes], Any]
     handler: Handler
     serialize: Callable[[Any], bytes]
+    request_class: Any = None
+    """The request's message class (the HTTP/JSON gateway builds requests from JSON)."""
+    response_class: Any = None
+    """The response's message class (the gateway reads back responses handed over
+    serialized already, as `write_many` allows)."""
 
     @property
     def path(self) -> str:
