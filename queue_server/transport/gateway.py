@@ -619,7 +619,9 @@ class HttpConnection(asyncio.Protocol):
     def _answer_error(self, code: Status, message: str) -> None:
         body = error_body(code, message)
         headers = [*_JSON_HEADERS, (b"Content-Length", b"%d" % len(body))]
-        self._send(h11.Response(status_code=HTTP_STATUS.get(code, 500), headers=headers))
+        status = HTTP_STATUS.get(code, 500)
+        # the reason phrase too: clients show it (etcd3gw raises it as the error's text)
+        self._send(h11.Response(status_code=status, reason=_reason(status), headers=headers))
         self._send(h11.Data(data=body))
         self._send(h11.EndOfMessage())
         if self._call is not None:

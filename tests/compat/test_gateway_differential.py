@@ -43,6 +43,8 @@ class Client:
     def __init__(self, endpoint: str) -> None:
         host, port = endpoint.split(":")
         self.conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT)
+        self.reason = ""
+        """The reason phrase of the last answer to `post`."""
 
     def post(self, path: str, body: Any, token: str | None = None) -> tuple[int, Any]:
         headers = {"Content-Type": "application/json"}
@@ -51,6 +53,7 @@ class Client:
         raw = body if isinstance(body, str) else json.dumps(body)
         self.conn.request("POST", path, body=raw, headers=headers)
         response = self.conn.getresponse()
+        self.reason = response.reason
         data = response.read()
         try:
             return response.status, json.loads(data)
@@ -164,6 +167,26 @@ def test_errors(pair: Pair) -> None:
     assert ref == ours == (404, "Not Found\n")
     ref, ours = pair.ref.get("/v3/kv/range"), pair.ours.get("/v3/kv/range")
     assert ref[:2] == ours[:2] == (405, b"Method Not Allowed\n")
+
+
+def test_error_reason_phrase(pair: Pair) -> None:
+    """An error answer's status line carries the reason phrase, as etcd's (Go's
+    net/http) does: clients show it (etcd3gw raises it as the error's text,
+    requests' raise_for_status puts it in its message)."""
+    cases = [
+        ("/v3/kv/put", {"key": ""}, 400, "Bad Request"),
+        (
+            "/v3/kv/txn",
+            {"success": [{"request_put": {"key": b64("k"), "lease": 4242}}]},
+            404,
+            "Not Found",
+        ),
+        ("/v3/auth/authenticate", {"name": "nobody", "password": "x"}, 412, "Precondition Failed"),
+    ]
+    for path, body, status, reason in cases:
+        ref, ours = pair.both(path, body)
+        assert (ref[0], pair.ref.reason) == (status, reason), f"etcd answered {ref} to {path}"
+        assert (ours[0], pair.ours.reason) == (status, reason), f"{path} {body}: {ours}"
 
 
 def test_lease(pair: Pair) -> None:
