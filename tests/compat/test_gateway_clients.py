@@ -20,6 +20,7 @@ attempts and lease expiry are polled with deadlines.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -32,7 +33,14 @@ import tenacity
 import tooz
 from tooz import coordination
 
-pytestmark = pytest.mark.compat
+pytestmark = [
+    pytest.mark.compat,
+    pytest.mark.skipif(
+        os.environ.get("ETCD_GRPC_TRANSPORT") == "grpcio",
+        reason="the HTTP/JSON gateway is part of the native transport; grpcio's server "
+        "speaks HTTP/2 only (--grpc-transport grpcio serves no gateway)",
+    ),
+]
 
 HTTP_TIMEOUT = 5
 """Seconds etcd3gw (requests) waits for an answer: no call may hang the test."""
