@@ -166,8 +166,10 @@ def test_quick_cluster(tmp_path: Path) -> None:
             assert m is not None and m["ops_s"] > 0 and m["errors"] == 0, row
             if row["workload"] == "leader failover":
                 assert m["ops"] == 1 and m["extra"]["failover_s"] > 0
-                # ops/s = 1 / seconds, rounded to 0.1 in the JSON
-                assert m["ops_s"] == pytest.approx(1 / m["extra"]["failover_s"], abs=0.06)
+                # ops/s = 1 / seconds, rounded to 0.1 in the JSON, beside the
+                # seconds rounded to 1 ms: a failover of tens of ms makes that
+                # millisecond a relative error of up to 1-2 %.
+                assert m["ops_s"] == pytest.approx(1 / m["extra"]["failover_s"], rel=0.02, abs=0.06)
             else:
                 assert m["p99_ms"] > 0
         if not etcd_installed:
