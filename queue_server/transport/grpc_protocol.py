@@ -79,6 +79,9 @@ _RESERVED_METADATA = frozenset(
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 """The HTTP/2 client connection preface: a connection that starts otherwise is
 HTTP/1.1, handed to the gateway."""
+_HTTP1_METHODS = (b"GET ", b"POST ", b"PUT ", b"DELETE ", b"HEAD ", b"OPTIONS ", b"PATCH ")
+"""How an HTTP/1.1 request line starts: such a connection goes to the gateway."""
+_LONGEST_METHOD = max(len(m) for m in _HTTP1_METHODS)
 _NOT_GRPC_BODY = b"this port serves gRPC (content-type application/grpc)\n"
 _NOT_GRPC_HEADERS = header_blocks.block(
     [(b":status", b"415"), (b"content-type", b"text/plain; charset=utf-8")]
@@ -392,22 +395,24 @@ class GrpcConnection(asyncio.Protocol):
         self._on_close(self)
 
     def _sniff(self, data: bytes) -> bytes:
-        """The first bytes: HTTP/2 (returns them, to be fed to h2 with our SETTINGS
-        sent first), or HTTP/1.1 (the connection is handed to the gateway; returns
-        nothing). Bytes that could still be the start of the preface are kept."""
+        """The first bytes: an HTTP/1.1 request line (the connection is handed to
+        the gateway; returns nothing), or anything else, returned to be fed to h2
+        with our SETTINGS sent first: the preface, or bytes that are neither, which
+        h2 refuses as an invalid preface (GOAWAY, PROTOCOL_ERROR), as RFC 9113
+        asks. Bytes that could still become either are kept."""
         data = self._sniffed + data
         head = data[: len(PREFACE)]
-        if head == PREFACE[: len(head)]:
-            if len(head) < len(PREFACE):
-                self._sniffed = data
-                return b""
-            self._sniffing = False
-            self._sniffed = b""
-            return data
+        undecided = head == PREFACE[: len(head)] and len(head) < len(PREFACE)
+        method = data[:_LONGEST_METHOD]
+        if undecided or any(m.startswith(method) and m != method for m in _HTTP1_METHODS):
+            self._sniffed = data
+            return b""
         self._sniffing = False
         self._sniffed = b""
-        self._to_http1(data)
-        return b""
+        if any(data.startswith(m) for m in _HTTP1_METHODS):
+            self._to_http1(data)
+            return b""
+        return data
 
     def _to_http1(self, data: bytes) -> None:
         """Hand the connection to an `HttpConnection` (the gateway) from here on."""
