@@ -22,6 +22,7 @@ What Patroni sends, and reads back:
 from __future__ import annotations
 
 import base64
+import os
 from typing import Any
 
 import pytest
@@ -29,7 +30,13 @@ import pytest
 from tests.compat.test_gateway_differential import Client, Pair, Stream, b64, normalise
 from tests.support.processes import EtcdProcess, ServerProcess
 
-pytestmark = pytest.mark.compat
+pytestmark = [
+    pytest.mark.compat,
+    pytest.mark.skipif(
+        os.environ.get("ETCD_GRPC_TRANSPORT") == "grpcio",
+        reason="the gateway is served by the native transport only",
+    ),
+]
 
 PREFIX = "/service/qs-ha/"
 
