@@ -443,11 +443,17 @@ def test_bootstrap_and_failover(
 
     leader.kill()
     killed = time.monotonic()
-    wait_for(
-        "promotion", lambda: replica.api("/leader")[0] == 200, flavour.ttl + FAILOVER_MARGIN, nodes
-    )
+
+    def promoted_replica() -> bool:
+        # Patroni answers /leader once it holds the leader key, a moment before
+        # PostgreSQL has left recovery: both must be true.
+        return (
+            replica.api("/leader")[0] == 200
+            and replica.sql("SELECT pg_is_in_recovery()", check=False) == "f"
+        )
+
+    wait_for("promotion", promoted_replica, flavour.ttl + FAILOVER_MARGIN, nodes)
     promoted = time.monotonic()
-    assert replica.sql("SELECT pg_is_in_recovery()") == "f"
     assert replica.sql("SELECT string_agg(v, ',') FROM failover_probe") == "before"
     keys = etcdctl_get_prefix(server.endpoint, prefix)
     assert keys[prefix + "leader"] == replica.name
