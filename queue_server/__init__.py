@@ -13,8 +13,9 @@ with no I/O, is a library beside the package and imports nothing from it.
                 Change Queue Service), written against `transport.methods.Call`:
                 validate, propose or read, translate errors (`api/errors.py`), fill
                 the header. `service_table.py` builds the method table,
-                `observer.py` and `auth_gate.py` are its middleware, and
-                `grpcio_server.py` serves it on grpcio (--grpc-transport grpcio).
+                `observer.py` and `auth_gate.py` are its middleware,
+                `grpcio_server.py` serves it on grpcio (--grpc-transport grpcio),
+                and `gateway_routes.py` maps etcd's HTTP/JSON gateway URLs onto it.
 - `tls.py`      the TLS flags' files -> server contexts and credentials.
 - `config.py`   flags and ETCD_* variables -> one frozen Config.
 - `http_health.py`, `dashboard.py`, `metrics.py` the --listen-metrics-urls
@@ -27,7 +28,8 @@ with no I/O, is a library beside the package and imports nothing from it.
 - `replication/` a cluster member: the Raft member driver (`ClusterLog`), its raft
                 storage, the typed peer wire and membership.
 - `restore.py`  `queue-server restore`: a data dir from a snapshot file.
-- `storage/`    the single-node durable log (WAL + group commit), snapshots, recovery.
+- `storage/`    the single-node durable log (WAL + group commit), snapshots (our
+                data-only QSNAP2, and etcd's bbolt database both ways), recovery.
 - `node/`       the node driver: each applied command's effects to the parts that
                 act on them; the node's one clock (timer policies); which watches
                 are queue consumers (`node/consumers.py`).
@@ -48,6 +50,7 @@ with no I/O, is a library beside the package and imports nothing from it.
 - `errors.py`, `logs.py` the etcd errors the core reports (wire code and text);
                 console or JSON log lines.
 - `transport/`  the native gRPC server: HTTP/2 frames (`h2.py`, no I/O), calls on
-                a connection, the method table and the `Call` interface. Knows
+                a connection, the method table and the `Call` interface, and the
+                HTTP/1.1 JSON gateway on the same port (`gateway.py`). Knows
                 nothing of etcd. See docs/transport.md.
 """
