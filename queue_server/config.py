@@ -8,15 +8,23 @@ command line wins over the variable, as in etcd.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
+import platform
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 from urllib.parse import urlsplit
 
 from queue_server.compactor import parse_retention
 from queue_server.quota import DEFAULT_QUOTA_BYTES
 from queue_server.watch.hub import DEFAULT_MAX_WATCHERS_PER_STREAM
+
+SERVER_VERSION = "3.5.17"
+"""The etcd release whose API we match (Status, /version, --version); clients
+gate features on it."""
 
 DEFAULT_MAX_REQUEST_BYTES = 1536 * 1024
 """etcd's default --max-request-bytes (1.5 MiB)."""
@@ -165,13 +173,50 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"invalid boolean {text!r}")
 
 
+class _Version(argparse.Action):
+    """`--version`: `version_text()` as it is (argparse's own would re-wrap it)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        print(version_text())
+        parser.exit(0)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with etcd-sized errors: the problem and a pointer to --help,
+    not the whole usage of every flag first."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}\nRun '{self.prog} --help' for the flags.\n")
+
+
+def version_text() -> str:
+    """What `--version` prints, in etcd's `Name Version:` lines."""
+    try:
+        ours = importlib.metadata.version("queue-server")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        ours = "unknown"
+    return (
+        f"queue-server Version: {ours}\n"
+        f"etcd API Version: {SERVER_VERSION}\n"
+        f"Python Version: {platform.python_version()}\n"
+        f"OS/Arch: {sys.platform}/{platform.machine()}"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="queue-server",
         description="An etcd v3 compatible server and durable message queue. "
         "Every flag can also be set as ETCD_<FLAG> (upper case, dashes as underscores).",
     )
     add = p.add_argument
+    add("--version", action=_Version, nargs=0, help="print the version and exit")
     add("--name", default="default", help="human-readable name of this member")
     add("--data-dir", default="", help="directory for the data (default: ${name}.etcd)")
     add(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from queue_server.api.maintenance import SERVER_VERSION
+from queue_server.config import SERVER_VERSION
 from queue_server.transport.gateway import GatewaySettings, Page, Route
 from queue_server.transport.methods import MethodTable
 

@@ -21,6 +21,7 @@ from queue_server.alarms import alarm_name
 from queue_server.api.errors import abort
 from queue_server.api.header import HeaderFiller
 from queue_server.apply import Proposer, StateMachine
+from queue_server.config import SERVER_VERSION
 from queue_server.errors import EtcdError
 from queue_server.replication.membership import Membership
 from queue_server.storage import etcd_backend
@@ -34,9 +35,6 @@ _MembersResponse = TypeVar(
     rpc_pb2.MemberRemoveResponse,
     rpc_pb2.MemberUpdateResponse,
 )
-
-SERVER_VERSION = "3.5.17"
-"""The etcd release whose API we match; clients gate features on it."""
 
 
 SHA256_BYTES = 32

@@ -75,6 +75,29 @@ def test_bad_flag_value_fails(tmp_path: Path) -> None:
     assert r.returncode == 1 and "invalid URL" in r.stderr
 
 
+def test_version_prints_ours_and_the_etcd_api_we_match() -> None:
+    r = run_cli(["--version"])
+    assert r.returncode == 0
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("queue-server Version: ")
+    assert lines[1] == "etcd API Version: 3.5.17"
+
+
+def test_an_unknown_flag_gets_a_short_error_and_a_pointer_to_help() -> None:
+    r = run_cli(["--no-such-flag"])
+    assert r.returncode == 2
+    assert r.stderr == (
+        "queue-server: unrecognized arguments: --no-such-flag\n"
+        "Run 'queue-server --help' for the flags.\n"
+    )
+    r = run_cli(["--heartbeat-interval", "soon"])
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        "queue-server: argument --heartbeat-interval: invalid int value: 'soon'",
+        "Run 'queue-server --help' for the flags.",
+    ]
+
+
 def test_etcd_environment_variables_configure_the_server(tmp_path: Path) -> None:
     port = free_port()
     env = {
