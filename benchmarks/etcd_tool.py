@@ -43,6 +43,7 @@ import contextlib
 import datetime
 import json
 import os
+import random
 import re
 import resource
 import shutil
@@ -52,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -177,7 +179,42 @@ def log(msg: str) -> None:
     print(f"[etcd_tool {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+LISTEN_PORTS_FROM = 20_000
+"""Listeners of tests and benchmarks get a port from here up to the kernel's
+ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`, 32768-60999 here).
+A port the kernel hands out for bind(0) comes from that range, and between
+picking it and the server binding it the kernel may give the same port to some
+outgoing connection as its source port: a member starting up dialling its peers
+did exactly that now and then, and the member told to listen there exited."""
+_picked: deque[int] = deque(maxlen=4096)
+"""Ports handed out lately by this process: not handed out again while their
+server may still be starting."""
+_pick = random.Random()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
+
 def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on, below the ephemeral range
+    (see LISTEN_PORTS_FROM); bind(0)'s choice where that range leaves no room."""
+    high = _ephemeral_low()
+    for _ in range(200 if high - LISTEN_PORTS_FROM > 1000 else 0):
+        port = _pick.randrange(LISTEN_PORTS_FROM, high)
+        if port in _picked:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _picked.append(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

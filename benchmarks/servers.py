@@ -21,7 +21,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ from pathlib import Path
 import grpc
 import psutil  # type: ignore[import-untyped,unused-ignore]
 
+from benchmarks.etcd_tool import free_port
 from etcdserverpb import rpc_pb2, rpc_pb2_grpc
 
 READY_TIMEOUT = 30.0
@@ -42,12 +42,6 @@ LEADER_TIMEOUT = 30.0
 """How long a cluster may take to agree on one leader."""
 CLUSTER_TOKEN = "bench"
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_ready(

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,17 +17,12 @@ from pathlib import Path
 
 import grpc
 
+from benchmarks.etcd_tool import free_port
 from etcdserverpb import rpc_pb2, rpc_pb2_grpc
 
 READY_TIMEOUT = 30.0
 STOP_TIMEOUT = 15.0
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def open_channel(endpoint: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import ssl
 import struct
 import tempfile
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.etcd_tool import free_port
 from etcdserverpb import peer_pb2
 from queue_server.config import TLSFiles
 from queue_server.replication import peer_wire
@@ -38,12 +38,6 @@ WAIT = 5.0
 
 A, B = 0xA1, 0xB2
 LENGTH = struct.Struct(">I")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def url(port: int, scheme: str = "http") -> str:
