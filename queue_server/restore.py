@@ -15,7 +15,6 @@ installed rewritten in today's format.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import io
 import logging
 import os
@@ -24,12 +23,10 @@ from collections.abc import Sequence
 
 from queue_server.storage import etcd_backend
 from queue_server.storage.snapshot import (
-    SHA256_BYTES,
     CorruptSnapshotError,
-    SnapshotContents,
     SnapshotStore,
-    from_transfer,
     read_local_snapshot,
+    unwrap_transfer,
 )
 from queue_server.storage.snapshot_codec import SnapshotFormatError
 
@@ -39,60 +36,39 @@ log = logging.getLogger(__name__)
 def restore(snapshot_path: str, data_dir: str) -> int:
     """Install the snapshot into a new data dir; returns the snapshot's index."""
     with open(snapshot_path, "rb") as f:
-        data = f.read()
+        data = unwrap_transfer(f.read(), snapshot_path)
     bbolt = etcd_backend.is_bbolt(data)
     if bbolt:
-        snap, legacy = _read_bbolt(data, snapshot_path), False
+        try:
+            snap, legacy = etcd_backend.read_etcd_db(data, snapshot_path), False
+        except SnapshotFormatError as e:
+            raise CorruptSnapshotError(
+                f"{snapshot_path} is not a valid etcd database: {e}"
+            ) from None
     else:
-        data = from_transfer(data, snapshot_path)
         snap, legacy = read_local_snapshot(io.BytesIO(data), snapshot_path)
     if os.path.isdir(data_dir) and os.listdir(data_dir):
         raise FileExistsError(f"data dir {data_dir!r} is not empty")
     os.makedirs(os.path.join(data_dir, "wal"), mode=0o700, exist_ok=True)
     store = SnapshotStore(os.path.join(data_dir, "snap"))
-    if bbolt:
-        try:
-            store.save(snap.index, snap.state, snap.raft_term, snap.voters)
-        except (ValueError, TypeError) as e:
-            raise CorruptSnapshotError(
-                f"{snapshot_path}: the etcd database's state does not fit a snapshot: {e}"
-            ) from None
-        log.info(
-            "snapshot restored from an etcd database path=%s index=%d revision=%d",
-            snapshot_path,
-            snap.index,
-            snap.state["mvcc"][0],
-        )
-    elif legacy:
-        try:
-            store.save(snap.index, snap.state, snap.raft_term, snap.voters)
-        except (ValueError, TypeError) as e:
-            raise CorruptSnapshotError(
-                f"{snapshot_path}: legacy snapshot cannot be rewritten in the new format: {e}"
-            ) from None
-        log.warning(
-            "snapshot rewritten from legacy pickle format path=%s index=%d from=QSNAP1 to=QSNAP2",
-            snapshot_path,
-            snap.index,
-        )
-    else:
-        store.save_encoded(snap.index, data)
-    return snap.index
-
-
-def _read_bbolt(data: bytes, name: str) -> SnapshotContents:
-    """An etcd backend database: as `etcdctl snapshot save` writes it (followed
-    by its sha256, checked here as etcdctl snapshot restore does) or a bare
-    `member/snap/db` (a whole number of pages, no hash)."""
-    if len(data) % 512 == SHA256_BYTES:
-        body, digest = data[:-SHA256_BYTES], data[-SHA256_BYTES:]
-        if hashlib.sha256(body).digest() != digest:
-            raise CorruptSnapshotError(f"snapshot {name} fails its sha256 check")
-        data = body
+    if not (bbolt or legacy):
+        store.save_encoded(snap.index, data)  # today's format: installed as it is
+        return snap.index
     try:
-        return etcd_backend.read_etcd_db(data, name)
-    except SnapshotFormatError as e:
-        raise CorruptSnapshotError(f"{name} is not a valid etcd database: {e}") from None
+        store.save(snap.index, snap.state, snap.raft_term, snap.voters)
+    except (ValueError, TypeError) as e:
+        raise CorruptSnapshotError(
+            f"{snapshot_path}: its state cannot be written as a snapshot: {e}"
+        ) from None
+    log.log(
+        logging.WARNING if legacy else logging.INFO,
+        "snapshot restored path=%s from=%s to=QSNAP2 index=%d revision=%d",
+        snapshot_path,
+        "etcd-db" if bbolt else "QSNAP1",
+        snap.index,
+        snap.state["mvcc"][0],
+    )
+    return snap.index
 
 
 def main(argv: Sequence[str]) -> int:

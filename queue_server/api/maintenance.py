@@ -25,6 +25,7 @@ from queue_server.config import SERVER_VERSION
 from queue_server.errors import EtcdError
 from queue_server.replication.membership import Membership
 from queue_server.storage import etcd_backend
+from queue_server.storage.snapshot import SHA256_BYTES
 from queue_server.transport.methods import Call
 
 Context = Call
@@ -36,9 +37,6 @@ _MembersResponse = TypeVar(
     rpc_pb2.MemberUpdateResponse,
 )
 
-
-SHA256_BYTES = 32
-"""etcd follows the db in the Snapshot stream with its sha256 (etcdctl checks it)."""
 
 SNAPSHOT_CHUNK_BYTES = 64 * 1024
 """Bytes per Snapshot stream message (etcd sends 32 KiB; larger chunks cost fewer

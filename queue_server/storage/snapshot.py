@@ -67,10 +67,9 @@ __all__ = [
     "SnapshotStore",
     "decode",
     "encode",
-    "for_transfer",
-    "from_transfer",
     "read_local_snapshot",
     "read_snapshot",
+    "unwrap_transfer",
     "verify",
     "write_snapshot",
 ]
@@ -426,34 +425,18 @@ def _read_legacy_pickle(fileobj: IO[bytes], name: str) -> SnapshotContents:
 
 SECTOR_BYTES = 512
 SHA256_BYTES = 32
-_TRANSFER_LENGTH = struct.Struct("<Q")
 
 
-def for_transfer(data: bytes) -> bytes:
-    """The snapshot as Maintenance.Snapshot streams it: padded to a multiple of
-    512 bytes, then its sha256. etcd's clients (etcdctl snapshot save) refuse a
-    stream whose length is not 32 past a multiple of 512 (`hasChecksum`), since
-    etcd streams a page-aligned db file followed by its sha256. The padding is
-    zeros ending in the snapshot's length (u64 little endian), so `from_transfer`
-    gives back exactly the snapshot: the format allows no trailing bytes."""
-    pad = -(len(data) + _TRANSFER_LENGTH.size) % SECTOR_BYTES
-    padded = data + bytes(pad) + _TRANSFER_LENGTH.pack(len(data))
-    return padded + hashlib.sha256(padded).digest()
-
-
-def from_transfer(data: bytes, name: str) -> bytes:
-    """Undo `for_transfer` (checking the sha256); plain snapshot files pass through."""
-    if len(data) % SECTOR_BYTES != SHA256_BYTES:
+def unwrap_transfer(data: bytes, name: str) -> bytes:
+    """A file as `etcdctl snapshot save` writes it, without the sha256 etcd
+    streams after the database (checked here, as `etcdctl snapshot restore`
+    does). Such a file is a whole number of 512-byte sectors and the digest:
+    etcd's or our bbolt database, or an older server's legacy snapshot padded
+    with zeros. Our QSNAP2 files are never streamed, and pass through whatever
+    their length, as does anything that is not 32 past a multiple of 512."""
+    if data.startswith(MAGIC) or len(data) % SECTOR_BYTES != SHA256_BYTES:
         return data
     body, digest = data[:-SHA256_BYTES], data[-SHA256_BYTES:]
     if hashlib.sha256(body).digest() != digest:
         raise CorruptSnapshotError(f"snapshot {name} fails its sha256 check")
-    if body.startswith(LEGACY_MAGIC):
-        return body  # an older server padded with zeros; the legacy header has the length
-    if len(body) < _TRANSFER_LENGTH.size:
-        raise CorruptSnapshotError(f"snapshot {name} has no transfer padding")
-    (length,) = _TRANSFER_LENGTH.unpack_from(body, len(body) - _TRANSFER_LENGTH.size)
-    padding = len(body) - _TRANSFER_LENGTH.size - length
-    if not 0 <= padding < SECTOR_BYTES or any(body[length : length + padding]):
-        raise CorruptSnapshotError(f"snapshot {name} has invalid transfer padding")
-    return body[:length]
+    return body
