@@ -49,7 +49,6 @@ import logging
 import os
 import random
 import secrets
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -171,14 +170,13 @@ class ClusterLog:
         self._cycle: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._received: tuple[int, int, snapshot_format.SnapshotContents, str] | None = None
-        """The last snapshot a peer sent that passed its checks: index, term,
-        what it holds and its file, until the core hands it out to install."""
+        """The snapshot a peer sent that passed its checks and the core took:
+        index, term, what it holds and its file, until `_install`."""
         self.on_leader_change: Callable[[int], None] | None = None
         self.on_conf_change: Callable[[ConfChange], None] | None = None
         self.on_restored: Callable[[], None] | None = None
         self._last_leader = 0
         self._last_term = 0
-        self._warned_at = -10.0
 
     # -- start and stop ---------------------------------------------------------------
 
@@ -474,8 +472,8 @@ class ClusterLog:
             except DecodeError as e:
                 log.warning("dropping a malformed raft message: %s", e)
                 continue
-            if m.dst != self.member_id:
-                self._misdirected(m)
+            if m.dst != self.member_id:  # the wire's Hello already named this member
+                log.debug("raft message for another member dropped dst=%x", m.dst)
                 continue
             if m.snapshot is not None:
                 log.warning(
@@ -520,24 +518,12 @@ class ClusterLog:
             log.warning("raft snapshot refused from=%x index=%d error=%s", m.src, meta.index, e)
             os.remove(path)
             return
-        if self._received is not None:
-            os.remove(self._received[3])  # an older one the core did not take
         self._received = (meta.index, meta.term, contents, path)
         core.step(m)
+        if core.log.pending_snapshot is None:  # not past what this member has: not taken
+            self._received = None
+            os.remove(path)
         self._kick()
-
-    def _misdirected(self, m: Message) -> None:
-        """A message for another member id: most likely another cluster token."""
-        now = time.monotonic()
-        if now - self._warned_at >= 10:
-            self._warned_at = now
-            log.warning(
-                "raft message from %x for member %x, but this member is %x: "
-                "do --initial-cluster and --initial-cluster-token match on every member?",
-                m.src,
-                m.dst,
-                self.member_id,
-            )
 
     async def answer(self, request: peer_pb2.Request) -> peer_pb2.Answer:
         """A follower's request: place a proposal or a membership change in this
