@@ -223,7 +223,7 @@ class Delivery:
         handover = None
         if self.dispatching_node() != self.node_name:
             handover = keys.consumer_key(q.spelling, q.name, a.consumer) + b"/"
-        self._push(consumer, self._store_of(), items, lease_ids, handover)
+        self._push(consumer, self._store_of(), items, lease_ids, handover, a.revision)
 
     def _push(
         self,
@@ -232,11 +232,17 @@ class Delivery:
         items: list[tuple[int, bytes]],
         lease_ids: list[int],
         handover: bytes | None,
+        revision: int,
     ) -> None:
         """Push the messages to the consumer's stream: one WatchResponse, or more
         when they would carry over DELIVERY_RESPONSE_BYTES. A delivery under an
         ack deadline carries its delivery lease instead of the message's own;
-        one handed over from another node carries the delivery key."""
+        one handed over from another node carries the delivery key. Its
+        `mod_revision` is the revision it was handed out at (the produce's, for
+        a consumer that was waiting), never older than the watch: a proxy that
+        shares one watch among clients (etcd's grpc-proxy) drops events older
+        than what it has already passed on, and clientv3 resumes a broken watch
+        from the last event's revision."""
         watch_id = consumer.watcher.watch_id
         response = rpc_pb2.WatchResponse(watch_id=watch_id)
         response.header.revision = store.revision
@@ -262,7 +268,7 @@ class Delivery:
             dst = response.events.add(type=kv_pb2.Event.PUT).kv
             dst.key = dst_key
             dst.create_revision = kv.create_revision
-            dst.mod_revision = kv.mod_revision
+            dst.mod_revision = max(revision, kv.mod_revision)
             dst.version = kv.version
             dst.value = kv.value
             if lease:

@@ -49,6 +49,12 @@ class QueueFull(EtcdError):
     message = "etcdserver: queue is full"
 
 
+DEFAULT_ACK_DEADLINE = 30.0
+"""Seconds a delivery may stay unacknowledged when the queue does not say (SQS's
+and NATS's default). Redelivery then never depends on seeing a consumer's stream
+close, which a proxy in between (etcd's grpc-proxy keeps its upstream watch) may
+hide; a consumer with longer work extends it with LeaseKeepAlive."""
+
 MAX_ACK_DEADLINE = 9_000_000_000
 """etcd's largest lease TTL (lease.MaxLeaseTTL), in seconds."""
 
@@ -57,7 +63,9 @@ MAX_ACK_DEADLINE = 9_000_000_000
 class QueueSettings:
     """Per-queue settings, from the JSON value of `/q/{name}/config`."""
 
-    ack_deadline: float = 0.0  # seconds a delivery may stay unacknowledged; 0: forever
+    ack_deadline: float = (
+        DEFAULT_ACK_DEADLINE  # seconds a delivery may stay unacknowledged; 0: forever
+    )
     max_deliveries: int = 0  # deliveries before dead-lettering; 0: unlimited
     dead_letter: bytes = b""  # dead-letter queue name; default "{name}.dead"
     prefetch: int = DEFAULT_PREFETCH  # unacknowledged messages per consumer
@@ -104,6 +112,10 @@ class Assignment:
     consumer: bytes
     node: bytes
     items: list[tuple[int, bytes]]  # (idx, message key), oldest first
+    revision: int = 0
+    """The store's revision when they were handed out: the delivery events'
+    `mod_revision`. Deliveries to one consumer never go back in revision, as the
+    events of an etcd watch never do (etcd's grpc-proxy drops those that do)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -166,6 +178,7 @@ class QueueState:
         # queues to hand out after this command; messages to dead-letter first
         self._dirty: set[QueueInfo] = set()
         self._to_dead: list[tuple[QueueInfo, int]] = []
+        self._given_back: list[tuple[QueueInfo, int]] = []
         self._assigned: list[Assignment] = []
         self._messages: list[tuple[bytes, int, bool]] = []
 
@@ -290,6 +303,8 @@ class QueueState:
             q.attempts[idx] = attempts
             if q.settings.max_deliveries and attempts >= q.settings.max_deliveries:
                 self._to_dead.append((q, idx))
+            else:
+                self._given_back.append((q, idx))
             q.pending[idx] = key
         if n:
             q.redelivered += n
@@ -319,15 +334,34 @@ class QueueState:
         return [idx for _q, idx in self._to_dead[first:]]
 
     def after_apply(self, store: MVCCStore) -> None:
-        """End of a command: dead-letter what reached max_deliveries (one more
-        revision), then hand pending messages out."""
+        """End of a command: rewrite what a requeue gave back and dead-letter
+        what reached max_deliveries (one more revision each), then hand pending
+        messages out."""
+        if self._given_back:
+            self._rewrite_given_back(store)
         if self._to_dead:
             self._dead_letter(store)
         if self._dirty:
             dirty = sorted(self._dirty, key=lambda q: q.name)  # the same order everywhere
             self._dirty.clear()
             for q in dirty:
-                self._assign(q)
+                self._assign(q, store.revision)
+
+    def _rewrite_given_back(self, store: MVCCStore) -> None:
+        """Messages taken back unacknowledged are put again, unchanged, in a
+        revision of their own: a message's `version` is one more than the times
+        it came back, and its next delivery has a revision newer than the last
+        one its consumer saw (a requeue writes nothing else, and a watch's events
+        must move forward)."""
+        given, self._given_back = self._given_back, []
+        with store.write() as txn:
+            for q, idx in given:
+                key = q.pending.get(idx)
+                if key is None:
+                    continue  # acknowledged in the meantime
+                kv = store.get(key)
+                if kv is not None:
+                    txn.put(key, kv.value, kv.lease)
 
     def _dead_letter(self, store: MVCCStore) -> None:
         moves, self._to_dead = self._to_dead, []
@@ -349,7 +383,7 @@ class QueueState:
                     keys.message_key(dead.spelling, dead.name, new_idx, suffix), kv.value, kv.lease
                 )
 
-    def _assign(self, q: QueueInfo) -> None:
+    def _assign(self, q: QueueInfo, revision: int) -> None:
         """Hand pending messages out, oldest first, round-robin over consumers
         with room in their prefetch window."""
         pending = q.pending
@@ -373,7 +407,7 @@ class QueueState:
             q.delivered += 1
             batches.setdefault(slot, []).append((idx, key))
         for slot, items in batches.items():
-            self._assigned.append(Assignment(q.name, slot.consumer_id, slot.node, items))
+            self._assigned.append(Assignment(q.name, slot.consumer_id, slot.node, items, revision))
 
     # -- snapshots --------------------------------------------------------------
 
@@ -400,6 +434,7 @@ class QueueState:
         self.queues = {}
         self._dirty.clear()
         self._to_dead = []
+        self._given_back = []
         held: dict[bytes, list[tuple[bytes, bytes, list[int]]]] = {}
         for name, spelling, next_idx, attempts, *rest in state:
             q = self.queues[name] = QueueInfo(name, spelling, next_idx, attempts=dict(attempts))

@@ -76,11 +76,12 @@ class NodeDriver:
                 held = waiting.get((a.queue, a.consumer))
                 if held is None:
                     waiting[(a.queue, a.consumer)] = Assignment(
-                        a.queue, a.consumer, a.node, a.items
+                        a.queue, a.consumer, a.node, a.items, a.revision
                     )
                 else:
                     held.node = a.node
                     held.items = held.items + a.items
+                    held.revision = a.revision
         for name in effects.cqs_changed:
             for notify in parts.cqs_listeners:
                 notify(name)

@@ -690,8 +690,9 @@ def test_depth_limit_counts_every_produce_of_one_txn(kv: rpc_pb2_grpc.KVStub) ->
 
 def test_txn_consume_transform_produce(channel: grpc.Channel, kv: rpc_pb2_grpc.KVStub) -> None:
     """Ack an input message, produce its result and record it in an ordinary key,
-    in one Txn guarded by the delivery's mod_revision: all or nothing, and a retry
-    of the same step (a redelivery after a crash) changes nothing."""
+    in one Txn guarded by the delivery's create_revision (the message's identity;
+    its mod_revision is the delivery's): all or nothing, and a retry of the same
+    step (a redelivery after a crash) changes nothing."""
     configure(kv, b"tx-in", prefetch=1)
     produce(kv, b"tx-in", b"order-7", b"7")
     produce(kv, b"tx-in", b"order-8", b"8")
@@ -708,9 +709,9 @@ def test_txn_consume_transform_produce(channel: grpc.Channel, kv: rpc_pb2_grpc.K
             compare=[
                 rpc_pb2.Compare(
                     key=d.kv.key,
-                    target=rpc_pb2.Compare.MOD,
+                    target=rpc_pb2.Compare.CREATE,
                     result=rpc_pb2.Compare.EQUAL,
-                    mod_revision=d.kv.mod_revision,
+                    create_revision=d.kv.create_revision,
                 )
             ],
             success=[
