@@ -321,7 +321,10 @@ class SlaQueue:
 
     def expire(self, now: float) -> int:
         """Make in-flight notifications past their visibility timeout pending
-        again, with their SLA; their tokens die. Returns how many."""
+        again, with their SLA; their tokens die. They come back in the order
+        they became visible, those of one instant in token order; one with a
+        copy already pending merges into it (the more urgent SLA, the copy's
+        place). Returns how many."""
         expired = 0
         heap = self._expiry
         while heap and heap[0][0] <= now:
