@@ -39,6 +39,7 @@ from queue_server.cqs.commands import now_ms
 from queue_server.errors import EtcdError
 from queue_server.mq.delivery import Delivery
 from queue_server.mq.redrive import MAX_REDRIVE, RedriveRefused, plan_redrive
+from queue_server.mq.state import QueueInfo
 from queue_server.queue_stats import cqs_queue_stats, etcd_queue_details, etcd_queue_stats
 
 HISTORY_SECONDS = 600.0
@@ -71,28 +72,40 @@ class QueueHistory:
         self.started = started
         self.rings: dict[bytes, _Ring] = {}
         self.last_active: dict[bytes, float] = {}
-        self.last_figures: dict[bytes, tuple[int, ...]] = {}
+        # each queue's figures at the last sample; at start, what recovery left
+        # (counters of replayed entries are no traffic of this node's)
+        self.last_figures: dict[bytes, tuple[int, ...]] = {
+            q.name: self._figures(q) for q in self._queues()
+        }
+        self.last_sample_at = started
+
+    def _queues(self) -> list[QueueInfo]:
+        cqs = self.state.cqs
+        return [q for q in self.state.queues.queues.values() if not cqs.is_cqs(q.name)]
+
+    def _figures(self, q: QueueInfo) -> tuple[int, ...]:
+        """A sample's figures (SAMPLE_FIELDS) of queue `q`."""
+        dead = self.state.queues.queues.get(q.dead_letter_name())
+        return (
+            len(q.pending),
+            len(q.holder),
+            len(q.consumers),
+            q.produced,
+            q.acked,
+            dead.depth if dead is not None else 0,
+        )
 
     def due(self, now: float) -> None:
         queues = self.state.queues.queues
-        cqs = self.state.cqs
         for name in [n for n in self.rings if n not in queues]:  # gone (snapshot restore)
             del self.rings[name]
         for name in [n for n in self.last_figures if n not in queues]:
             del self.last_figures[name]
             self.last_active.pop(name, None)
-        for q in queues.values():
-            if cqs.is_cqs(q.name):
-                continue
-            dead = queues.get(q.dead_letter_name())
-            figures = (
-                len(q.pending),
-                len(q.holder),
-                len(q.consumers),
-                q.produced,
-                q.acked,
-                dead.depth if dead is not None else 0,
-            )
+        for q in self._queues():
+            figures = self._figures(q)
+            # a queue first seen now was created since the last sample: its
+            # counters were all 0 then
             before = self.last_figures.get(q.name, (0,) * len(figures))
             self.last_figures[q.name] = figures
             active = any(figures[:3]) or figures[3:] != before[3:]
@@ -103,9 +116,13 @@ class QueueHistory:
                 if not active or len(self.rings) >= MAX_SAMPLED_QUEUES:
                     continue
                 ring = self.rings[q.name] = _Ring()
+                # where the line starts: the last sample's figures, so the
+                # traffic that woke the queue is drawn
+                ring.samples.append((self.last_sample_at, *before))
             ring.samples.append((now, *figures))
             if now - self.last_active.get(q.name, self.started) > HISTORY_SECONDS:
                 del self.rings[q.name]  # quiet for the whole window: nothing to draw
+        self.last_sample_at = now
 
     def idle_seconds(self, name: bytes, now: float) -> float:
         """Seconds since the queue was last seen active (since the node started
