@@ -7,6 +7,8 @@ and quota are shown, and the redrive button puts dead letters back (etcdctl sees
 them in the queue). The redrive Txn is also tested with etcdctl alone, and the
 redrive endpoint's refusals with plain HTTP.
 
+A redrive sent to a follower is replicated to every member.
+
 `DASHBOARD_SCREENSHOTS=docs` also saves `docs/dashboard.png` (1280 px) and
 `docs/dashboard-1920.png` there."""
 
@@ -27,6 +29,7 @@ import grpc
 import pytest
 
 from etcdserverpb import cqs_pb2, cqs_pb2_grpc, rpc_pb2, rpc_pb2_grpc
+from tests.support.cluster import Cluster
 from tests.support.processes import ServerProcess, free_port
 from tests.support.queue_consumer import WatchConsumer
 
@@ -44,7 +47,8 @@ QUOTA = 64 * 1024 * 1024
 
 
 def count(kv: rpc_pb2_grpc.KVStub, key: bytes, end: bytes) -> int:
-    return kv.Range(rpc_pb2.RangeRequest(key=key, range_end=end, count_only=True), timeout=5).count
+    request = rpc_pb2.RangeRequest(key=key, range_end=end, count_only=True)
+    return int(kv.Range(request, timeout=5).count)
 
 
 def messages(kv: rpc_pb2_grpc.KVStub, name: str) -> int:
@@ -474,3 +478,34 @@ def messages_as_root(endpoint: str, name: str) -> int:
         endpoint, "--user=root:rootpw", "get", f"/q/{name}/0", f"/q/{name}/:", "--keys-only"
     )
     return len(out.split())
+
+
+def test_a_redrive_sent_to_a_follower_is_replicated(tmp_path: Path) -> None:
+    """POST /api/redrive on a follower's metrics listener: the Txns go through
+    Raft like a client's, so every member has the dead letters back in the queue."""
+    ports = {f"n{i}": free_port() for i in (1, 2, 3)}
+    cluster = Cluster(
+        tmp_path,
+        member_args={
+            name: ["--listen-metrics-urls", f"http://127.0.0.1:{port}"]
+            for name, port in ports.items()
+        },
+    ).start()
+    try:
+        leader = cluster.wait_leader()
+        follower = next(m for m in cluster.members if m is not leader)
+        with leader.channel() as channel:
+            dead_letter(channel, "jobs", 2)
+        got, answer = redrive(ports[follower.data_dir.name], {"queue": "jobs"})
+        assert (got, answer["moved"]) == (200, 2), answer
+        for member in cluster.members:
+            with member.channel() as channel:
+                kv = rpc_pb2_grpc.KVStub(channel)
+                assert (messages(kv, "jobs"), messages(kv, "jobs.dead")) == (2, 0)
+            port = ports[member.data_dir.name]
+            wait_until(
+                f"{member.data_dir.name} shows no dead letters",
+                lambda port=port: row(state(port), "jobs")["dead_letters"] == 0,
+            )
+    finally:
+        cluster.stop()
