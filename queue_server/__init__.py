@@ -20,7 +20,7 @@ with no I/O, is a library beside the package and imports nothing from it.
 - `config.py`   flags and ETCD_* variables -> one frozen Config.
 - `http_health.py`, `dashboard.py`, `metrics.py` the --listen-metrics-urls
                 listener (/health, /readyz, /livez, /metrics, the dashboard), the
-                dashboard's JSON, the Prometheus registry and its collector.
+                dashboard's JSON, history and redrive, the Prometheus registry and its collector.
 - `queue_stats.py` each queue's figures, for the dashboard and the metrics.
 - `recipes/`    server-side lock and election recipes (an in-process client).
 - `quota.py`    --quota-backend-bytes: the NOSPACE alarm before a write.
@@ -37,7 +37,7 @@ with no I/O, is a library beside the package and imports nothing from it.
                 fail-stop; `Applier`, the one path from a log into it.
 - `mq/`, `cqs/` the two queue products, plugged into the keyspace router: the
                 etcd-key queue (replicated state, delivery into watches, ack
-                policy, member session) and the Change Queue Service (SLA tree,
+                policy, member session, redrive Txns) and the Change Queue Service (SLA tree,
                 replicated state, the etcd watch view). Neither imports the other.
 - `keyspace/`   the queue keyspace `/q/` and `/queue/`: key grammar, the shared
                 config document, the router the KV executor calls.

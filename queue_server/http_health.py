@@ -1,13 +1,13 @@
 """The HTTP listener of --listen-metrics-urls: etcd's `/health`, `/readyz`, `/livez`,
-Prometheus' `/metrics`, and the queue dashboard (`/` and the JSON it polls,
-`/api/state`).
+Prometheus' `/metrics`, and the queue dashboard (`/`, the JSON it polls,
+`/api/state`, and its redrive button's `POST /api/redrive`).
 
 What belongs here: reading one HTTP/1.1 request head, routing it, the health checks
 themselves, encoding the answer, and the asyncio stream servers that carry them.
 It must not import grpc, `queue_server.server` or the `cluster` package: the
 server hands in what the checks look at (the alarm table, a leader lookup and the
 linearizable-read barrier of its log, the metrics renderer and the dashboard's
-state snapshot), so that the checks run against fakes too.
+state snapshot, the redrive), so that the checks run against fakes too.
 
 Theory of operation: a connection carries one request and is closed after the
 answer (`Connection: close`), which every probe client (Docker's healthcheck,
@@ -20,6 +20,11 @@ when an alarm is active ("ALARM NOSPACE"; `?exclude=NOSPACE` ignores it), when
 the member knows no leader ("RAFT NO LEADER") or when a linearizable read fails
 within etcd's request timeout ("RANGE ERROR:etcdserver: request timed out").
 `?serializable=true` checks this member alone: no leader check, a local read.
+
+`POST /api/redrive` is the only route that takes a body: a JSON object of at most
+MAX_BODY_BYTES, sent with `Content-Type: application/json`. A browser sends that
+type across origins only after a CORS preflight, which this listener never
+grants, so another site's page cannot make a visitor's browser redrive.
 
 `/livez` and `/readyz` are the probes of later etcd versions, kept minimal: live
 while this listener answers (the event loop runs; it exists only between the
@@ -50,8 +55,10 @@ MAX_HEAD_BYTES = 8 * 1024
 """Longest request line plus headers. A probe sends a few hundred bytes; 8 KiB is
 what common servers allow, and keeps a client from making us buffer more."""
 HEAD_TIMEOUT = 5.0
-"""Seconds a client has to send its request head, so an idle or trickling
-connection (slowloris) does not hold a connection slot."""
+"""Seconds a client has to send its request head (and body), so an idle or
+trickling connection (slowloris) does not hold a connection slot."""
+MAX_BODY_BYTES = 4 * 1024
+"""Largest request body: a redrive request is a queue name and a count."""
 MAX_CONNECTIONS = 32
 """Connections served at once; more are closed unanswered. Probes come a few a
 minute; the bound keeps a flood from piling up linearizable reads."""
@@ -85,6 +92,14 @@ class HeadTooLarge(HttpError):
     status = HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE
 
 
+class BodyTooLarge(HttpError):
+    status = HTTPStatus.REQUEST_ENTITY_TOO_LARGE
+
+
+class LengthRequired(HttpError):
+    status = HTTPStatus.LENGTH_REQUIRED
+
+
 @dataclass(frozen=True, slots=True)
 class Request:
     """The parts of a request head that routing looks at."""
@@ -92,6 +107,9 @@ class Request:
     method: str
     path: str
     query: Mapping[str, list[str]] = field(default_factory=dict)
+    # what a POST route reads; not what routing compares (names in lower case)
+    headers: Mapping[str, str] = field(default_factory=dict, compare=False)
+    body: bytes = field(default=b"", compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +121,8 @@ class Response:
 
 
 def parse_head(head: bytes) -> Request:
-    """The request line of a head (headers are read past: no route uses them)."""
-    line = head.split(b"\r\n", 1)[0]
+    """The request line and headers of a head."""
+    line, _, rest = head.partition(b"\r\n")
     try:
         method, target, version = line.decode("ascii").split(" ")
     except (UnicodeDecodeError, ValueError):
@@ -114,7 +132,26 @@ def parse_head(head: bytes) -> Request:
     parts = urlsplit(target)
     if not parts.path.startswith("/"):
         raise BadRequest(f"malformed target {target[:80]!r}")
-    return Request(method, parts.path, parse_qs(parts.query, keep_blank_values=True))
+    headers: dict[str, str] = {}
+    for field_line in rest.split(b"\r\n"):
+        name, colon, value = field_line.partition(b":")
+        if colon:
+            headers[name.strip().decode("latin-1").lower()] = value.strip().decode("latin-1")
+    return Request(method, parts.path, parse_qs(parts.query, keep_blank_values=True), headers)
+
+
+def body_length(request: Request) -> int:
+    """The Content-Length a request announces (0 without one), within MAX_BODY_BYTES."""
+    text = request.headers.get("content-length")
+    if text is None:
+        if request.method == "POST":
+            raise LengthRequired()
+        return 0
+    if not text.isdigit():
+        raise BadRequest(f"malformed Content-Length {text[:20]!r}")
+    if int(text) > MAX_BODY_BYTES:
+        raise BodyTooLarge()
+    return int(text)
 
 
 def encode_response(response: Response) -> bytes:
@@ -160,8 +197,10 @@ class HealthChecker:
         leader_id: Callable[[], int],
         linearize: Callable[[], Awaitable[None]],
         render_metrics: Callable[[], bytes] | None = None,
-        dashboard_state: Callable[[], dict[str, Any]] | None = None,
+        dashboard_state: Callable[[bool], dict[str, Any]] | None = None,
         range_timeout: float = RANGE_TIMEOUT,
+        redrive: Callable[[Mapping[str, Any]], Awaitable[tuple[HTTPStatus, dict[str, Any]]]]
+        | None = None,
     ) -> None:
         self.alarms = alarms
         self.leader_id = leader_id
@@ -169,6 +208,7 @@ class HealthChecker:
         self.render_metrics = render_metrics
         self.dashboard_state = dashboard_state
         self.range_timeout = range_timeout
+        self.redrive = redrive
 
     def check_alarms(self, excluded: Iterable[str]) -> Health:
         """The first active alarm whose name (NOSPACE, CORRUPT) is not excluded."""
@@ -252,13 +292,47 @@ async def get_dashboard(checker: HealthChecker, request: Request) -> Response:
 async def get_state(checker: HealthChecker, request: Request) -> Response:
     if checker.dashboard_state is None:
         return text_response(HTTPStatus.NOT_FOUND, "404 page not found")
-    body = json.dumps(checker.dashboard_state()).encode()
+    with_history = request.query.get("history", ["1"])[0] != "0"
+    body = json.dumps(checker.dashboard_state(with_history)).encode()
     return Response(
         HTTPStatus.OK,
         body,
         content_type="application/json",
         headers=(("Cache-Control", "no-store"),),
     )
+
+
+def json_response(status: HTTPStatus, payload: Mapping[str, Any]) -> Response:
+    return Response(
+        status,
+        json.dumps(payload).encode(),
+        content_type="application/json",
+        headers=(("Cache-Control", "no-store"),),
+    )
+
+
+async def post_redrive(checker: HealthChecker, request: Request) -> Response:
+    """Dead letters back onto their queue (`dashboard.Redriver`); every refusal is
+    a 4xx with `{"error": ...}` and moves nothing."""
+    if checker.redrive is None:
+        return text_response(HTTPStatus.NOT_FOUND, "404 page not found")
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type != "application/json":
+        return json_response(
+            HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+            {"error": "send a JSON object with Content-Type: application/json"},
+        )
+    try:
+        body = json.loads(request.body)
+    except (UnicodeDecodeError, ValueError):
+        body = None
+    if not isinstance(body, dict):
+        return json_response(
+            HTTPStatus.BAD_REQUEST,
+            {"error": 'the body must be a JSON object such as {"queue": "jobs", "count": 10}'},
+        )
+    status, payload = await checker.redrive(body)
+    return json_response(status, payload)
 
 
 Route = Callable[[HealthChecker, Request], Awaitable[Response]]
@@ -270,16 +344,24 @@ ROUTES: Mapping[str, Route] = {
     "/livez": get_livez,
     "/readyz": get_readyz,
 }
+POST_ROUTES: Mapping[str, Route] = {
+    "/api/redrive": post_redrive,
+}
 
 
 async def respond(checker: HealthChecker, request: Request) -> Response:
-    """Go's mux answers: 404 for an unknown path, 405 for a method other than GET."""
-    route = ROUTES.get(request.path)
-    if route is None:
-        return text_response(HTTPStatus.NOT_FOUND, "404 page not found")
-    if request.method != "GET":
+    """Go's mux answers: 404 for an unknown path, 405 for a method the path does
+    not take (GET, or POST for the POST routes)."""
+    if request.path in POST_ROUTES:
+        route, allowed = POST_ROUTES[request.path], "POST"
+    else:
+        found = ROUTES.get(request.path)
+        if found is None:
+            return text_response(HTTPStatus.NOT_FOUND, "404 page not found")
+        route, allowed = found, "GET"
+    if request.method != allowed:
         response = text_response(HTTPStatus.METHOD_NOT_ALLOWED, "Method Not Allowed")
-        return Response(response.status, response.body, headers=(("Allow", "GET"),))
+        return Response(response.status, response.body, headers=(("Allow", allowed),))
     return await route(checker, request)
 
 
@@ -347,7 +429,14 @@ class HealthListener:
         """The response to the connection's request; None when it sent none."""
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT)
-            return await respond(self.checker, parse_head(head))
+            request = parse_head(head)
+            if request.path in POST_ROUTES and request.method == "POST":
+                length = body_length(request)
+                body = await asyncio.wait_for(reader.readexactly(length), HEAD_TIMEOUT)
+                request = Request(
+                    request.method, request.path, request.query, request.headers, body
+                )
+            return await respond(self.checker, request)
         except (asyncio.IncompleteReadError, TimeoutError):
             return None
         except asyncio.LimitOverrunError:

@@ -108,6 +108,7 @@ class StateCollector(Collector):
         counters = {
             name: CounterMetricFamily(f"queue_server_queue_{name}", text, labels=labels)
             for name, text in (
+                ("produced", "Messages that entered the queue (dead letters, redrives included)."),
                 ("delivered", "Messages handed to consumers (redeliveries included)."),
                 ("acked", "Messages acknowledged by the consumer holding them."),
                 ("redelivered", "Messages taken back unacknowledged (failed deliveries)."),

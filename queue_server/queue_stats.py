@@ -12,7 +12,7 @@ from typing import Any
 from queue_server.apply import StateMachine
 from queue_server.mq.delivery import Delivery
 
-COUNTERS = ("delivered", "acked", "redelivered", "dead_lettered")
+COUNTERS = ("produced", "delivered", "acked", "redelivered", "dead_lettered")
 """The per-queue counters (since this process started) each etcd-key queue row has."""
 
 
@@ -64,3 +64,32 @@ def cqs_queue_stats(state: StateMachine, wall: float) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def etcd_queue_details(state: StateMachine) -> dict[str, dict[str, Any]]:
+    """What the dashboard shows of each etcd-key queue beyond its figures, by name:
+    its settings (`/q/{name}/config`, defaults filled in), its dead-letter queue
+    and how many messages wait there, and which queues it is the dead-letter
+    queue of."""
+    queues = state.queues.queues
+    dead_of: dict[bytes, list[str]] = {}
+    for q in queues.values():
+        dead_of.setdefault(q.dead_letter_name(), []).append(q.name.decode(errors="replace"))
+    details: dict[str, dict[str, Any]] = {}
+    for q in queues.values():
+        if state.cqs.is_cqs(q.name):
+            continue
+        settings: dict[str, Any] = {}
+        for name in sorted(q.settings.FIELDS):
+            value = getattr(q.settings, name)
+            settings[name] = value.decode(errors="replace") if isinstance(value, bytes) else value
+        dead_name = q.dead_letter_name()
+        settings["dead_letter"] = dead_name.decode(errors="replace")  # the default filled in
+        dead = queues.get(dead_name)
+        details[q.name.decode(errors="replace")] = {
+            "settings": settings,
+            "dead_letter": dead_name.decode(errors="replace"),
+            "dead_letters": dead.depth if dead is not None else 0,
+            "dead_letter_of": sorted(n for n in dead_of.get(q.name, []) if n.encode() != q.name),
+        }
+    return details

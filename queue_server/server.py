@@ -50,7 +50,7 @@ from queue_server.auth.tokens import SimpleTokens
 from queue_server.compactor import CompactionPlanner, CompactionPolicy, parse_retention
 from queue_server.config import GRPC_OVERHEAD_BYTES, Config, secure_url, url_to_address
 from queue_server.cqs.watch_view import CqsWatchConsumers
-from queue_server.dashboard import DashboardSource
+from queue_server.dashboard import DashboardSource, QueueHistory, Redriver
 from queue_server.errors import EtcdError, LeaseNotFound
 from queue_server.http_health import (
     TEXT,
@@ -225,6 +225,7 @@ class Server:
         writes = QuotaGuard(self.log, self.state, cfg.quota_backend_bytes, member_id)
         ids = LeaseIdGenerator(member_id)
         self._build_node(ids)
+        self.writes = writes
         table = self._method_table(header, membership, writes, ids)
         self.metrics.watch_state(
             StateCollector(
@@ -430,7 +431,11 @@ class Server:
                     cfg.name,
                     membership.leader_id,
                     lambda: [(m.member_id, m.name, m.client_urls) for m in membership.members()],
+                    self.timers.clock,
+                    history=self.history,
+                    quota=lambda: (self.writes.used_bytes(), self.writes.quota_bytes),
                 ).snapshot,
+                redrive=Redriver(self.state, self.writes.propose),
             )
         )
         try:
@@ -449,6 +454,8 @@ class Server:
         timers.add("queue-acks", AckPolicy(self.delivery, self.consumers.drop))
         timers.add("lease-expiry", ExpiryPolicy(self.expiry, self._revoke_expired, self._spawn))
         timers.add("cqs-visibility", self.cqs_view)
+        self.history = QueueHistory(self.state, timers.clock())
+        timers.add("dashboard-history", self.history)
         hub = self.watch_hub
         timers.add(
             "watch-progress",

@@ -91,6 +91,10 @@ def consumer_key(spelling: bytes, name: bytes, consumer: bytes) -> bytes:
     return b"%s%s/%s/%s" % (spelling, name, _CONSUME[spelling], consumer)
 
 
+def producer_key(spelling: bytes, name: bytes, key: bytes) -> bytes:
+    return b"%s%s/%s/%s" % (spelling, name, _PRODUCE[spelling], key)
+
+
 def valid_consumer_id(text: bytes) -> bool:
     try:
         uuid.UUID(text.decode("ascii"))

@@ -142,6 +142,7 @@ class QueueInfo:
     consumers: dict[bytes, ConsumerSlot] = field(default_factory=dict)  # in join order
     next_consumer: int = 0
     # counted since this process started (metrics; not part of snapshots)
+    produced: int = 0  # message keys created: produces, dead letters in, redrives
     delivered: int = 0
     acked: int = 0
     redelivered: int = 0
@@ -266,6 +267,7 @@ class QueueState:
                         self._dirty.add(q)  # room in its prefetch window
             elif e.prev_kv is None:
                 self._messages.append((qk.name, qk.idx, True))
+                q.produced += 1
                 q.next_idx = max(q.next_idx, qk.idx + 1)
                 q.pending[qk.idx] = e.kv.key
                 self._dirty.add(q)

@@ -116,6 +116,7 @@ def test_metrics_count_rpcs_and_show_the_queues(server: tuple[ServerProcess, int
     assert value(m, "queue_server_queue_in_flight", queue="jobs") == 3
     assert value(m, "queue_server_queue_pending", queue="jobs") == 0
     assert value(m, "queue_server_queue_consumers", queue="jobs") == 1
+    assert value(m, "queue_server_queue_produced_total", queue="jobs") == 5
     assert value(m, "queue_server_queue_delivered_total", queue="jobs") == 5
     assert value(m, "queue_server_queue_redelivered_total", queue="jobs") == 0
 

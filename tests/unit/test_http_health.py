@@ -14,10 +14,14 @@ from queue_server.alarms import AlarmTable
 from queue_server.config import ConfigError, parse_config
 from queue_server.errors import RequestTimeout, ServerStopped
 from queue_server.http_health import (
+    MAX_BODY_BYTES,
     BadRequest,
+    BodyTooLarge,
     HealthChecker,
+    LengthRequired,
     Request,
     Response,
+    body_length,
     encode_response,
     parse_head,
     respond,
@@ -162,6 +166,46 @@ async def test_unknown_path_404_and_other_methods_405() -> None:
     assert (await ask(fake, "/metrics")).status == 404
     r = await ask(fake, "/health", method="HEAD")
     assert r.status == 405 and ("Allow", "GET") in r.headers
+
+
+# -- POST /api/redrive ----------------------------------------------------------------
+
+
+def test_parse_head_keeps_headers_and_body_length_is_bounded() -> None:
+    r = parse_head(
+        b"POST /api/redrive HTTP/1.1\r\nContent-Type: application/json\r\ncontent-length: 12"
+    )
+    assert r.headers == {"content-type": "application/json", "content-length": "12"}
+    assert body_length(r) == 12
+    with pytest.raises(LengthRequired):
+        body_length(parse_head(b"POST /api/redrive HTTP/1.1"))
+    with pytest.raises(BodyTooLarge):
+        body_length(parse_head(b"POST /x HTTP/1.1\r\nContent-Length: %d" % (MAX_BODY_BYTES + 1)))
+    with pytest.raises(BadRequest):
+        body_length(parse_head(b"POST /x HTTP/1.1\r\nContent-Length: -1"))
+
+
+async def test_redrive_takes_only_a_json_object_posted_as_json() -> None:
+    bodies: list[object] = []
+
+    async def redrive(body: object) -> tuple[HTTPStatus, dict[str, object]]:
+        bodies.append(body)
+        return HTTPStatus.OK, {"moved": 0}
+
+    checker = FakeServer().checker()
+    checker.redrive = redrive
+
+    def post(body: bytes, content_type: str = "application/json") -> Request:
+        headers = {"content-type": content_type}
+        return Request("POST", "/api/redrive", {}, headers, body)
+
+    assert (await respond(checker, post(b'{"queue": "jobs"}'))).status == 200
+    assert (await respond(checker, post(b'{"queue": "jobs"}', "text/plain"))).status == 415
+    assert (await respond(checker, post(b'["jobs"]'))).status == 400
+    assert (await respond(checker, post(b"\xff"))).status == 400
+    r = await respond(checker, Request("GET", "/api/redrive"))
+    assert r.status == 405 and ("Allow", "POST") in r.headers
+    assert bodies == [{"queue": "jobs"}]  # only the good one reached the redrive
 
 
 # -- configuration -------------------------------------------------------------------
