@@ -143,20 +143,24 @@ class Consumer(_message.Message):
     def __init__(self, consumer_id: _Optional[bytes] = ..., node: _Optional[bytes] = ..., held: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Queue(_message.Message):
-    __slots__ = ("name", "spelling", "next_idx", "attempts", "next_consumer", "consumers")
+    __slots__ = ("name", "spelling", "next_idx", "attempts", "next_consumer", "consumers", "produced_idx_delta", "produced_ms_delta")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SPELLING_FIELD_NUMBER: _ClassVar[int]
     NEXT_IDX_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     NEXT_CONSUMER_FIELD_NUMBER: _ClassVar[int]
     CONSUMERS_FIELD_NUMBER: _ClassVar[int]
+    PRODUCED_IDX_DELTA_FIELD_NUMBER: _ClassVar[int]
+    PRODUCED_MS_DELTA_FIELD_NUMBER: _ClassVar[int]
     name: bytes
     spelling: bytes
     next_idx: int
     attempts: _containers.RepeatedCompositeFieldContainer[Attempt]
     next_consumer: int
     consumers: _containers.RepeatedCompositeFieldContainer[Consumer]
-    def __init__(self, name: _Optional[bytes] = ..., spelling: _Optional[bytes] = ..., next_idx: _Optional[int] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., next_consumer: _Optional[int] = ..., consumers: _Optional[_Iterable[_Union[Consumer, _Mapping]]] = ...) -> None: ...
+    produced_idx_delta: _containers.RepeatedScalarFieldContainer[int]
+    produced_ms_delta: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[bytes] = ..., spelling: _Optional[bytes] = ..., next_idx: _Optional[int] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., next_consumer: _Optional[int] = ..., consumers: _Optional[_Iterable[_Union[Consumer, _Mapping]]] = ..., produced_idx_delta: _Optional[_Iterable[int]] = ..., produced_ms_delta: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Subscription(_message.Message):
     __slots__ = ("dto_type", "alias_name")

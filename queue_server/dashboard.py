@@ -1,9 +1,8 @@
 """The live queue dashboard's data: the JSON that the page at `/` polls, `/api/state`.
 
-What belongs here: turning the state machine, the node's queue delivery table and the member
-table into what the page shows (every queue, etcd-key and CQS, with depth, in
-flight, consumers and their members, counters, oldest pending age, SLA lag;
-members and leader). The page is a static file of the package
+What belongs here: turning the state machine and the member table into what
+the page shows (every queue, etcd-key and CQS, with depth, in flight, consumers
+and their members, counters, oldest pending age, SLA lag; members and leader). The page is a static file of the package
 (`queue_server/static/dashboard.html`, served by `http_health.py`): plain HTML,
 CSS and JavaScript with no build step and nothing from a CDN. It polls every
 second and computes rates from the counters' deltas itself.
@@ -17,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from queue_server.apply import StateMachine
-from queue_server.mq.delivery import Delivery
 from queue_server.queue_stats import cqs_queue_stats, etcd_queue_stats
 
 
@@ -26,12 +24,10 @@ class DashboardSource:
     """What the dashboard reads, handed in by the server."""
 
     state: StateMachine
-    delivery: Callable[[], Delivery | None]
     member_id: int
     name: str
     leader_id: Callable[[], int]
     members: Callable[[], list[tuple[int, str, tuple[str, ...]]]]
-    clock: Callable[[], float] = time.monotonic
     wall: Callable[[], float] = time.time
 
     def snapshot(self) -> dict[str, Any]:
@@ -53,6 +49,6 @@ class DashboardSource:
             ],
             "revision": state.store.revision,
             "keys": state.store.key_count,
-            "queues": etcd_queue_stats(state, self.delivery(), self.clock()),
+            "queues": etcd_queue_stats(state, self.wall()),
             "cqs": cqs_queue_stats(state, self.wall()),
         }

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
@@ -168,6 +169,7 @@ def _key_chunks(keys: list[tuple[bytes, list[int], list[Any]]]) -> Iterator[pb.R
 
 def _queue(queue: tuple[Any, ...]) -> pb.Queue:
     name, spelling, next_idx, attempts, assignment = queue
+    produced = assignment["produced_ms"]  # (idx, ms), idx ascending
     return pb.Queue(
         name=name,
         spelling=spelling,
@@ -178,7 +180,14 @@ def _queue(queue: tuple[Any, ...]) -> pb.Queue:
             pb.Consumer(consumer_id=c, node=node, held=held)
             for c, node, held in assignment["consumers"]
         ],
+        produced_idx_delta=_deltas([idx for idx, _ in produced]),
+        produced_ms_delta=_deltas([ms for _, ms in produced]),
     )
+
+
+def _deltas(values: list[int]) -> list[int]:
+    """The first value, then each one's difference to the one before."""
+    return [b - a for a, b in zip([0, *values], values, strict=False)]
 
 
 def _notification(row: tuple[Any, ...]) -> pb.Notification:
@@ -458,7 +467,11 @@ class StateReader:
                 queue.spelling,
                 queue.next_idx,
                 attempts,
-                {"next_consumer": queue.next_consumer, "consumers": consumers},
+                {
+                    "next_consumer": queue.next_consumer,
+                    "consumers": consumers,
+                    "produced_ms": _produced(queue),
+                },
             )
         )
 
@@ -513,6 +526,19 @@ class StateReader:
             "users": users,
             "roles": roles,
         }
+
+
+def _produced(queue: pb.Queue) -> list[tuple[int, int]]:
+    """A queue's (idx, produced ms) pairs from their delta-encoded lists."""
+    idx_deltas, ms_deltas = queue.produced_idx_delta, queue.produced_ms_delta
+    if len(idx_deltas) != len(ms_deltas):
+        raise SnapshotFormatError(
+            f"queue {queue.name!r} has {len(idx_deltas)} produce indexes "
+            f"and {len(ms_deltas)} produce times"
+        )
+    if any(d == 0 for d in idx_deltas[1:]):
+        raise SnapshotFormatError(f"queue {queue.name!r} has a produce time twice")
+    return list(zip(accumulate(idx_deltas), accumulate(ms_deltas), strict=True))
 
 
 def _row(n: pb.Notification) -> tuple[str, str, bool, str, int, str, int]:
