@@ -177,9 +177,7 @@ class Node:
     async def delete(self, key: bytes) -> ApplyResult:
         """A client's DeleteRange, stamped as the KV service stamps it."""
         return await self.log.propose(
-            Command(
-                delete_range=rpc_pb2.DeleteRangeRequest(key=key), now_ms=self.timers.wall_ms()
-            )
+            Command(delete_range=rpc_pb2.DeleteRangeRequest(key=key), now_ms=self.timers.wall_ms())
         )
 
     def watch(self, key: bytes) -> WatchStream:
