@@ -91,10 +91,10 @@ def cqs_server(tmp_path: Path, metrics_port: int) -> Iterator[ServerProcess]:
     srv.stop()
 
 
-def test_an_unacknowledged_notification_is_pending_again_with_no_call(
-    cqs_server: ServerProcess, metrics_port: int
-) -> None:
-    with grpc.insecure_channel(cqs_server.endpoint) as ch:
+def publish_and_dequeue(endpoint: str) -> tuple[float, float]:
+    """A CQS queue `live` with one notification (SLA a minute ago), dequeued
+    and never acknowledged; (before, after) the dequeue, monotonic."""
+    with grpc.insecure_channel(endpoint) as ch:
         cqs = cqs_pb2_grpc.DtoChangeQueueServiceStub(ch)
         cqs.CreateOrConfigureQueue(
             cqs_pb2.CreateOrConfigureQueueRequest(
@@ -116,6 +116,13 @@ def test_an_unacknowledged_notification_is_pending_again_with_no_call(
         )
         after = time.monotonic()
         assert len(got.notifications) == 1
+    return before, after
+
+
+def test_an_unacknowledged_notification_is_pending_again_with_no_call(
+    cqs_server: ServerProcess, metrics_port: int
+) -> None:
+    before, after = publish_and_dequeue(cqs_server.endpoint)
     # no call from here on: only the server's clock can bring it back
     m = scrape(metrics_port)
     assert m[("queue_server_cqs_in_flight", (("queue", "live"),))] == 1
@@ -192,5 +199,24 @@ def test_every_member_reports_the_same_oldest_age(tmp_path: Path) -> None:
         ages = [sample(m.port, AGE, queue="shared") for m in cluster.members]
         assert all(a is not None and a > 1.5 for a in ages), ages
         assert max(ages) - min(ages) < 1.0, ages  # type: ignore[type-var,operator]
+    finally:
+        cluster.stop()
+
+
+def test_in_a_cluster_the_leaders_expiry_reaches_every_member(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path, extra_args=["--cqs-visibility-timeout", f"{VISIBILITY:g}s"])
+    cluster.start()
+    try:
+        leader = cluster.wait_leader()
+        follower = next(m for m in cluster.members if m is not leader)
+        _before, after = publish_and_dequeue(follower.endpoint)
+        for m in cluster.members:
+
+            def pending_again(port: int = m.port) -> bool:
+                return sample(port, "queue_server_cqs_pending", queue="live") == 1
+
+            back = poll(f"pending again on {m.data_dir.name}", pending_again)
+            assert back <= after + VISIBILITY + 2.0
+            assert sample(m.port, "queue_server_cqs_in_flight", queue="live") == 0
     finally:
         cluster.stop()
