@@ -16,6 +16,7 @@ import json
 import pytest
 
 from etcdserverpb import internal_pb2, rpc_pb2
+from etcdserverpb import snapshot_pb2 as pb
 from queue_server.apply import StateMachine
 from queue_server.metrics import Membership, ServerMetrics, StateCollector
 from queue_server.queue_stats import cqs_queue_stats, etcd_queue_stats
@@ -189,22 +190,44 @@ def test_produce_times_survive_a_snapshot_round_trip() -> None:
     assert etcd_queue_stats(again, wall)[0]["oldest_pending_age_s"] == 10.0
 
 
-def test_a_snapshot_with_broken_produce_times_is_refused() -> None:
+def test_produce_times_go_in_chunks_and_broken_ones_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     sm = StateMachine()
-    sm.apply(1, put(b"/q/s/p/a", b"x", 10))
-    sm.apply(2, put(b"/q/s/p/b", b"x", 20))
+    for i in range(1, 6):
+        sm.apply(i, put(b"/q/s/p/m%d" % i, b"x", 10 * i))
     state = sm.export_state()
-    records = list(snapshot_codec.encode_records(2, state, 0, ()))
-    (queue,) = [r for r in records if r.WhichOneof("body") == "queue"]
-    assert list(queue.queue.produced_idx_delta) == [1, 1]
-    assert list(queue.queue.produced_ms_delta) == [10, 10]
-    for broken in ([1, 0], [1]):  # an index twice; lists of two lengths
-        del queue.queue.produced_idx_delta[:]
-        queue.queue.produced_idx_delta.extend(broken)
+    monkeypatch.setattr(snapshot_codec, "PRODUCED_PER_CHUNK", 2)
+    records = list(snapshot_codec.encode_records(5, state, 0, ()))
+    chunks = [r.queue_chunk for r in records if r.WhichOneof("body") == "queue_chunk"]
+    assert [list(c.produced_idx_delta) for c in chunks] == [[1, 1], [3, 1], [5]]
+    assert [list(c.produced_ms_delta) for c in chunks] == [[10, 10], [30, 10], [50]]
+    assert snapshot.decode(snapshot.encode(5, state), "test").state == state
+
+    def refused(records: list[pb.Record]) -> None:
         reader = snapshot_codec.StateReader()
         with pytest.raises(snapshot_codec.SnapshotFormatError):
             for r in records:
                 reader.add(r)
+            reader.finish()
+
+    def with_chunk(i: int, idx: list[int], ms: list[int]) -> list[pb.Record]:
+        out = [pb.Record() for _ in records]
+        for o, r in zip(out, records, strict=True):
+            o.CopyFrom(r)
+        chunk = [r for r in out if r.WhichOneof("body") == "queue_chunk"][i].queue_chunk
+        chunk.ClearField("produced_idx_delta")
+        chunk.ClearField("produced_ms_delta")
+        chunk.produced_idx_delta.extend(idx)
+        chunk.produced_ms_delta.extend(ms)
+        return out
+
+    refused(with_chunk(0, [1, 0], [10, 10]))  # an index twice
+    refused(with_chunk(1, [2, 1], [30, 10]))  # not after the chunk before
+    refused(with_chunk(2, [5], []))  # lists of two lengths
+    refused([r for r in records if r.queue_chunk != chunks[1]])  # a chunk lost
+    queue_at = next(i for i, r in enumerate(records) if r.WhichOneof("body") == "queue")
+    refused(records[:queue_at] + records[queue_at + 1 :])  # times before any queue
 
 
 def test_fake_clock_is_both_faces_of_the_timers() -> None:
