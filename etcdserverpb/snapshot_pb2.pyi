@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Record(_message.Message):
-    __slots__ = ("header", "mvcc", "keys", "leases", "alarms", "queue", "cqs_queue", "cqs_chunk", "members", "auth")
+    __slots__ = ("header", "mvcc", "keys", "leases", "alarms", "queue", "cqs_queue", "cqs_chunk", "members", "auth", "queue_chunk")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     MVCC_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class Record(_message.Message):
     CQS_CHUNK_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     AUTH_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_CHUNK_FIELD_NUMBER: _ClassVar[int]
     header: Header
     mvcc: Mvcc
     keys: KeyChunk
@@ -28,7 +29,8 @@ class Record(_message.Message):
     cqs_chunk: CqsChunk
     members: MemberChunk
     auth: Auth
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., mvcc: _Optional[_Union[Mvcc, _Mapping]] = ..., keys: _Optional[_Union[KeyChunk, _Mapping]] = ..., leases: _Optional[_Union[LeaseChunk, _Mapping]] = ..., alarms: _Optional[_Union[AlarmChunk, _Mapping]] = ..., queue: _Optional[_Union[Queue, _Mapping]] = ..., cqs_queue: _Optional[_Union[CqsQueue, _Mapping]] = ..., cqs_chunk: _Optional[_Union[CqsChunk, _Mapping]] = ..., members: _Optional[_Union[MemberChunk, _Mapping]] = ..., auth: _Optional[_Union[Auth, _Mapping]] = ...) -> None: ...
+    queue_chunk: QueueChunk
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., mvcc: _Optional[_Union[Mvcc, _Mapping]] = ..., keys: _Optional[_Union[KeyChunk, _Mapping]] = ..., leases: _Optional[_Union[LeaseChunk, _Mapping]] = ..., alarms: _Optional[_Union[AlarmChunk, _Mapping]] = ..., queue: _Optional[_Union[Queue, _Mapping]] = ..., cqs_queue: _Optional[_Union[CqsQueue, _Mapping]] = ..., cqs_chunk: _Optional[_Union[CqsChunk, _Mapping]] = ..., members: _Optional[_Union[MemberChunk, _Mapping]] = ..., auth: _Optional[_Union[Auth, _Mapping]] = ..., queue_chunk: _Optional[_Union[QueueChunk, _Mapping]] = ...) -> None: ...
 
 class Header(_message.Message):
     __slots__ = ("format_version", "applied_index", "raft_term", "voters", "key_count", "lease_count", "alarm_count", "queue_count", "cqs_queue_count", "member_count")
@@ -143,20 +145,30 @@ class Consumer(_message.Message):
     def __init__(self, consumer_id: _Optional[bytes] = ..., node: _Optional[bytes] = ..., held: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Queue(_message.Message):
-    __slots__ = ("name", "spelling", "next_idx", "attempts", "next_consumer", "consumers")
+    __slots__ = ("name", "spelling", "next_idx", "attempts", "next_consumer", "consumers", "produced_count")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SPELLING_FIELD_NUMBER: _ClassVar[int]
     NEXT_IDX_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     NEXT_CONSUMER_FIELD_NUMBER: _ClassVar[int]
     CONSUMERS_FIELD_NUMBER: _ClassVar[int]
+    PRODUCED_COUNT_FIELD_NUMBER: _ClassVar[int]
     name: bytes
     spelling: bytes
     next_idx: int
     attempts: _containers.RepeatedCompositeFieldContainer[Attempt]
     next_consumer: int
     consumers: _containers.RepeatedCompositeFieldContainer[Consumer]
-    def __init__(self, name: _Optional[bytes] = ..., spelling: _Optional[bytes] = ..., next_idx: _Optional[int] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., next_consumer: _Optional[int] = ..., consumers: _Optional[_Iterable[_Union[Consumer, _Mapping]]] = ...) -> None: ...
+    produced_count: int
+    def __init__(self, name: _Optional[bytes] = ..., spelling: _Optional[bytes] = ..., next_idx: _Optional[int] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., next_consumer: _Optional[int] = ..., consumers: _Optional[_Iterable[_Union[Consumer, _Mapping]]] = ..., produced_count: _Optional[int] = ...) -> None: ...
+
+class QueueChunk(_message.Message):
+    __slots__ = ("produced_idx_delta", "produced_ms_delta")
+    PRODUCED_IDX_DELTA_FIELD_NUMBER: _ClassVar[int]
+    PRODUCED_MS_DELTA_FIELD_NUMBER: _ClassVar[int]
+    produced_idx_delta: _containers.RepeatedScalarFieldContainer[int]
+    produced_ms_delta: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, produced_idx_delta: _Optional[_Iterable[int]] = ..., produced_ms_delta: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Subscription(_message.Message):
     __slots__ = ("dto_type", "alias_name")

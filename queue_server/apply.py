@@ -69,8 +69,6 @@ class Effects:
     """Committed write transactions, in revision order: (revision, events)."""
     assignments: list[Assignment] = field(default_factory=list)
     """Messages handed to consumers (delivered by the node hosting each)."""
-    queue_messages: list[tuple[bytes, int, bool]] = field(default_factory=list)
-    """(queue, idx, produced?) of etcd-key queue messages produced or removed."""
     cqs_changed: set[str] = field(default_factory=set)
     """CQS queues that may have gained visible notifications or lost in-flight ones."""
     leases_granted: list[tuple[int, int]] = field(default_factory=list)
@@ -83,7 +81,6 @@ class Effects:
         return bool(
             self.commits
             or self.assignments
-            or self.queue_messages
             or self.cqs_changed
             or self.leases_granted
             or self.leases_revoked
@@ -156,7 +153,6 @@ class StateMachine:
             raise self.failed from e
         effects = self._effects
         effects.assignments = self.queues.take_assignments()
-        effects.queue_messages = self.queues.take_messages()
         effects.cqs_changed = self.cqs.take_changed()
         effects.leases_granted, effects.leases_revoked = self.lessor.take_changes()
         if not effects:

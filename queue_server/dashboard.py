@@ -1,8 +1,7 @@
 """The live queue dashboard's data: the JSON that the page at `/` polls, `/api/state`,
 the last ten minutes of each queue's figures, and the redrive behind its button.
 
-What belongs here: turning the state machine, the node's queue delivery table and the member
-table into what the page shows (every queue, etcd-key and CQS, with depth, in
+What belongs here: turning the state machine and the member table into what the page shows (every queue, etcd-key and CQS, with depth, in
 flight, consumers and their members, counters, oldest pending age, SLA lag,
 settings, dead letters; members and leader; alarms and quota use). The page is a
 static file of the package (`queue_server/static/dashboard.html`, served by
@@ -37,7 +36,6 @@ from queue_server.alarms import alarm_name
 from queue_server.apply import ApplyResult, StateMachine
 from queue_server.cqs.commands import now_ms
 from queue_server.errors import EtcdError
-from queue_server.mq.delivery import Delivery
 from queue_server.mq.redrive import MAX_REDRIVE, RedriveRefused, plan_redrive
 from queue_server.mq.state import QueueInfo
 from queue_server.queue_stats import cqs_queue_stats, etcd_queue_details, etcd_queue_stats
@@ -144,7 +142,6 @@ class DashboardSource:
     """What the dashboard reads, handed in by the server."""
 
     state: StateMachine
-    delivery: Callable[[], Delivery | None]
     member_id: int
     name: str
     leader_id: Callable[[], int]
@@ -160,7 +157,7 @@ class DashboardSource:
         leader = self.leader_id()
         names = {mid: name for mid, name, _ in self.members()}
         now, wall = self.clock(), self.wall()
-        queues = etcd_queue_stats(state, self.delivery(), now)
+        queues = etcd_queue_stats(state, wall)
         details = etcd_queue_details(state)
         history = self.history
         for row in queues:

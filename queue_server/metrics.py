@@ -20,7 +20,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from queue_server.apply import StateMachine
-from queue_server.mq.delivery import Delivery
 from queue_server.queue_stats import cqs_queue_stats, etcd_queue_stats
 
 
@@ -34,20 +33,16 @@ class Membership:
 
 
 class StateCollector(Collector):
-    """Reads the state machine and the node's queue delivery table when scraped."""
+    """Reads the state machine when scraped."""
 
     def __init__(
         self,
         state: StateMachine,
-        delivery: Callable[[], Delivery | None],
         membership: Membership,
-        clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.state = state
-        self.delivery = delivery
         self.membership = membership
-        self.clock = clock
         self.wall = wall
 
     def collect(self) -> Iterator[Metric]:
@@ -115,7 +110,7 @@ class StateCollector(Collector):
                 ("dead_lettered", "Messages moved to their dead-letter queue."),
             )
         }
-        for row in etcd_queue_stats(self.state, self.delivery(), self.clock()):
+        for row in etcd_queue_stats(self.state, self.wall()):
             name = [row["name"]]
             depth.add_metric(name, row["depth"])
             pending.add_metric(name, row["pending"])

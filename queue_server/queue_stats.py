@@ -10,17 +10,17 @@ from __future__ import annotations
 from typing import Any
 
 from queue_server.apply import StateMachine
-from queue_server.mq.delivery import Delivery
 
 COUNTERS = ("produced", "delivered", "acked", "redelivered", "dead_lettered")
 """The per-queue counters (since this process started) each etcd-key queue row has."""
 
 
-def etcd_queue_stats(
-    state: StateMachine, delivery: Delivery | None, now: float
-) -> list[dict[str, Any]]:
-    """One row per etcd-key queue (CQS queues left out), by name; `now` is the
-    delivery's clock (monotonic)."""
+def etcd_queue_stats(state: StateMachine, wall: float) -> list[dict[str, Any]]:
+    """One row per etcd-key queue (CQS queues left out), by name; `wall` is Unix
+    seconds. The oldest pending message's age is `wall` minus when it was
+    produced, a replicated stamp (`QueueInfo.produced_ms`), so every member
+    shows the same age and a restart does not reset it; 0 when nothing is
+    pending (or a message from before produce times were kept is oldest)."""
     cqs = state.cqs
     rows = []
     for q in sorted(state.queues.queues.values(), key=lambda q: q.name):
@@ -39,13 +39,19 @@ def etcd_queue_stats(
                 }
                 for s in q.consumers.values()
             ],
-            "oldest_pending_age_s": (
-                round(delivery.oldest_pending_age(q, now), 3) if delivery else 0.0
-            ),
+            "oldest_pending_age_s": _age_s(q.oldest_pending_ms(), wall),
         }
         row.update((name, getattr(q, name)) for name in COUNTERS)
         rows.append(row)
     return rows
+
+
+def _age_s(produced_ms: int, wall: float) -> float:
+    """Seconds since `produced_ms` (0: unknown, or nothing pending); never
+    negative (the proposer's clock may be a little ahead of this member's)."""
+    if not produced_ms:
+        return 0.0
+    return max(0.0, round(wall - produced_ms / 1000, 3))
 
 
 def cqs_queue_stats(state: StateMachine, wall: float) -> list[dict[str, Any]]:

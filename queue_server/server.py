@@ -49,6 +49,7 @@ from queue_server.apply import Applier, ApplyFailed, StateMachine
 from queue_server.auth.tokens import SimpleTokens
 from queue_server.compactor import CompactionPlanner, CompactionPolicy, parse_retention
 from queue_server.config import GRPC_OVERHEAD_BYTES, Config, secure_url, url_to_address
+from queue_server.cqs.visibility import VisibilityTimer
 from queue_server.cqs.watch_view import CqsWatchConsumers
 from queue_server.dashboard import DashboardSource, QueueHistory, Redriver
 from queue_server.errors import EtcdError, LeaseNotFound
@@ -230,7 +231,6 @@ class Server:
         self.metrics.watch_state(
             StateCollector(
                 self.state,
-                lambda: self.delivery,
                 MetricsMembership(membership.leader_id, member_id, lambda: self._leader_changes),
             )
         )
@@ -426,12 +426,11 @@ class Server:
                 self.metrics.render,
                 DashboardSource(
                     self.state,
-                    lambda: self.delivery,
                     member_id,
                     cfg.name,
                     membership.leader_id,
                     lambda: [(m.member_id, m.name, m.client_urls) for m in membership.members()],
-                    self.timers.clock,
+                    clock=self.timers.clock,
                     history=self.history,
                     quota=lambda: (self.writes.used_bytes(), self.writes.quota_bytes),
                 ).snapshot,
@@ -454,6 +453,19 @@ class Server:
         timers.add("queue-acks", AckPolicy(self.delivery, self.consumers.drop))
         timers.add("lease-expiry", ExpiryPolicy(self.expiry, self._revoke_expired, self._spawn))
         timers.add("cqs-visibility", self.cqs_view)
+        assert self.log is not None
+        cluster_log = self.log if isinstance(self.log, ClusterLog) else None
+        timers.add(
+            "cqs-expiry",
+            VisibilityTimer(
+                self.state.cqs,
+                self.log.propose,
+                self._spawn,
+                timers.wall_ms,
+                # the leader's clock decides, as for lease expiry
+                (lambda: cluster_log.is_leader) if cluster_log is not None else None,
+            ),
+        )
         self.history = QueueHistory(self.state, timers.clock())
         timers.add("dashboard-history", self.history)
         hub = self.watch_hub

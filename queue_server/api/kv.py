@@ -51,7 +51,10 @@ class KVService(rpc_pb2_grpc.KVServicer):
             validation.check_put(request)
         except EtcdError as e:
             await abort(context, e)
-        return await self._propose(Command(put=request), context)  # type: ignore[return-value]
+        # Stamped with this member's clock: a put on a producer key is a message
+        # produced now, and its produce time is replicated state.
+        command = Command(put=request, now_ms=now_ms())
+        return await self._propose(command, context)  # type: ignore[return-value]
 
     async def DeleteRange(
         self, request: rpc_pb2.DeleteRangeRequest, context: Context
@@ -75,7 +78,8 @@ class KVService(rpc_pb2_grpc.KVServicer):
                 return resp
         except EtcdError as e:
             await abort(context, e)
-        command = Command(txn=request, now_ms=now_ms())  # its deletes may acknowledge too
+        # its deletes may acknowledge, and its puts produce, at the Txn's time
+        command = Command(txn=request, now_ms=now_ms())
         return await self._propose(command, context)  # type: ignore[return-value]
 
     async def Compact(

@@ -2,8 +2,9 @@
 
 Apply reads no clock and draws no random numbers (`state.py`), so whoever
 proposes a CQS command stamps it here: the wall clock in Unix milliseconds and,
-for a dequeue, a fresh random token base. The gRPC service, the etcd watch view
-and the KV delete-to-acknowledge path all build their commands with these.
+for a dequeue, a fresh random token base. The gRPC service, the etcd watch view,
+the visibility timer (`visibility.py`) and the KV delete-to-acknowledge path all
+build their commands with these.
 """
 
 from __future__ import annotations
@@ -32,6 +33,17 @@ def dequeue(queue: str, max_records: int, depth: int, visibility_ms: int) -> int
     d.queue, d.max, d.depth, d.now_ms = queue, max_records, depth, now
     d.visible_until_ms = now + visibility_ms
     d.token_base = secrets.token_hex(8) + "-"
+    return command
+
+
+def expire(queue: str, now: int) -> internal_pb2.Command:
+    """Make the queue's in-flight notifications whose visibility passed `now`
+    (Unix ms, the proposer's clock) pending again: a `CqsSettle` of no tokens,
+    since every CQS command expires what is due at its `now_ms` first."""
+    command = internal_pb2.Command()
+    s = command.cqs_settle
+    s.queue = queue
+    s.now_ms = now
     return command
 
 

@@ -346,6 +346,9 @@ class CqsState:
             qk.name.startswith(DTO_QUEUE_PREFIX) or self.is_cqs(qk.name)
         )
 
+    def begin_command(self, now_ms: int) -> None:
+        return None  # CQS commands carry their own time
+
     def begin_request(self) -> None:
         """A new request is about to be checked: forget the last one's parses."""
         self._checked.clear()

@@ -38,6 +38,10 @@ class QueuePlugin(Protocol):
         """Whether the queue `qk` names is this product's."""
         ...
 
+    def begin_command(self, now_ms: int) -> None:
+        """A log command starts; `now_ms` is its proposer's clock (0: none)."""
+        ...
+
     def begin_request(self) -> None:
         """A new request's writes are about to be checked."""
         ...
@@ -133,6 +137,8 @@ class KeyspaceRouter:
         """A log command starts; `now_ms` is its proposer's clock (0: none)."""
         self.now_ms = now_ms
         self._owners.clear()
+        for plugin in self.plugins:
+            plugin.begin_command(now_ms)
 
     def begin_request(self) -> None:
         self._parsed.clear()

@@ -13,8 +13,7 @@ belongs here is what only the node hosting a consumer's watch does with that:
 - delivery leases: under an ack deadline a delivery carries a lease of its own,
   which LeaseKeepAlive extends, LeaseTimeToLive reads and LeaseRevoke gives back
   (a negative acknowledgement);
-- giving messages back (`requeue`, a `QueueRequeue` command), and when each
-  message was first seen here (the age of the oldest pending one is a metric).
+- giving messages back (`requeue`, a `QueueRequeue` command).
 
 No I/O and no clock of its own: times come in as `now`; replicated changes are
 proposed through `propose`, scheduled with `spawn`. Reads of replicated state go
@@ -30,7 +29,7 @@ from typing import Any
 
 from etcdserverpb import internal_pb2, kv_pb2, rpc_pb2
 from queue_server.keyspace import grammar as keys
-from queue_server.mq.state import Assignment, QueueInfo, QueueState
+from queue_server.mq.state import Assignment, QueueState
 from queue_server.mvcc.store import MVCCStore
 from queue_server.watch.hub import Watcher
 
@@ -83,7 +82,6 @@ class Delivery:
         self.propose = propose
         self.spawn = spawn
         self.clock = clock
-        self.started = clock()
         self.new_lease_id = new_lease_id
         self.dispatching_node = dispatching_node or (lambda: self.node_name)
         # delivery leases: lease id -> (consumer, idx) of a delivery under an ack deadline
@@ -92,8 +90,6 @@ class Delivery:
         self.local: dict[tuple[bytes, bytes], list[LocalConsumer]] = {}
         self.by_watcher: dict[Watcher, LocalConsumer] = {}
         self.delivered = 0
-        # queue -> idx -> when this node saw the message produced (for metrics)
-        self.first_seen: dict[bytes, dict[int, float]] = {}
 
     # -- the table of consumer watches ------------------------------------------
 
@@ -166,27 +162,6 @@ class Delivery:
             log.warning("queue bookkeeping write failed error=%s", result)
 
     # -- effects of apply --------------------------------------------------------
-
-    def on_messages(self, changes: list[tuple[bytes, int, bool]]) -> None:
-        """Note when messages were produced (the age of the oldest pending one is
-        a metric): (queue, idx, produced?) from a command's effects."""
-        now = self.clock()
-        seen = self.first_seen
-        for name, idx, produced in changes:
-            if produced:
-                seen.setdefault(name, {})[idx] = now
-            else:
-                of_queue = seen.get(name)
-                if of_queue is not None:
-                    of_queue.pop(idx, None)
-
-    def oldest_pending_age(self, q: QueueInfo, now: float) -> float:
-        """Seconds since the oldest pending message was produced (0: none pending;
-        a message from before this process started counts from its start)."""
-        if not q.pending:
-            return 0.0
-        seen = self.first_seen.get(q.name, {}).get(q.pending.peekitem(0)[0])
-        return now - (seen if seen is not None else self.started)
 
     def deliver(self, a: Assignment) -> None:
         """The state machine assigned messages to a consumer: push them to its

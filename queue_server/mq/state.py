@@ -10,7 +10,12 @@ this module adds lives in the state machine, so it is deterministic:
   becomes a delete of its message key (`rewrite_delete`);
 - per queue: the next idx (never reused, so an old delivery key can never ack a
   newer message), the depth, the settings parsed from `/q/{name}/config`, the
-  delivery attempts of messages that came back unacknowledged;
+  delivery attempts of messages that came back unacknowledged, and when each
+  message was produced: the `now_ms` of the command that created its key (the
+  proposer's clock, Unix ms; a Put inside a Txn has the Txn's), one int per
+  message, so the age of the oldest pending message is the same on every
+  member and after a restart (WAL replay applies the same stamps). A message
+  moved to the dead-letter queue keeps its stamp;
 - the consumers, from their registry keys `/q/{name}/c/{uuid}` (value: the node
   hosting the watch), and which consumer holds which message. Messages are
   handed out in apply, so every replica agrees on who holds what, and a
@@ -137,6 +142,9 @@ class QueueInfo:
     next_idx: int = 1
     settings: QueueSettings = field(default_factory=QueueSettings)
     attempts: dict[int, int] = field(default_factory=dict)
+    # idx -> when it was produced (Unix ms, its command's stamp); absent: unknown
+    # (an entry from before commands carried one)
+    produced_ms: dict[int, int] = field(default_factory=dict)
     pending: SortedDict = field(default_factory=SortedDict)  # idx -> message key
     holder: dict[int, ConsumerSlot] = field(default_factory=dict)
     consumers: dict[bytes, ConsumerSlot] = field(default_factory=dict)  # in join order
@@ -155,6 +163,15 @@ class QueueInfo:
 
     def dead_letter_name(self) -> bytes:
         return self.settings.dead_letter or self.name + b".dead"
+
+    def oldest_pending_ms(self) -> int:
+        """When the oldest pending message (the lowest idx waiting for a
+        consumer) was produced, Unix ms; 0 when none is pending or its time is
+        unknown."""
+        pending = self.pending
+        if not pending:
+            return 0
+        return self.produced_ms.get(pending.peekitem(0)[0], 0)
 
 
 class QueueState:
@@ -181,7 +198,7 @@ class QueueState:
         self._to_dead: list[tuple[QueueInfo, int]] = []
         self._given_back: list[tuple[QueueInfo, int]] = []
         self._assigned: list[Assignment] = []
-        self._messages: list[tuple[bytes, int, bool]] = []
+        self._now_ms = 0  # the command's stamp: new message keys are produced then
 
     def _queue(self, name: bytes, spelling: bytes) -> QueueInfo:
         """The queue, created on first use with the spelling it was first used with."""
@@ -195,15 +212,10 @@ class QueueState:
         out, self._assigned = self._assigned, []
         return out
 
-    def take_messages(self) -> list[tuple[bytes, int, bool]]:
-        """(queue, idx, True) for each message the last command produced and
-        (queue, idx, False) for each it removed (and forget them)."""
-        if not self._messages:
-            return []
-        out, self._messages = self._messages, []
-        return out
-
     # -- the plugin hooks (inside KV apply) ---------------------------------------
+
+    def begin_command(self, now_ms: int) -> None:
+        self._now_ms = now_ms
 
     def claims(self, qk: QueueKey) -> bool:
         return True  # whatever no other product claims
@@ -257,8 +269,8 @@ class QueueState:
         if kind == "message":
             q = self._queue(qk.name, qk.spelling)
             if e.is_delete:
-                self._messages.append((qk.name, qk.idx, False))
                 q.attempts.pop(qk.idx, None)
+                q.produced_ms.pop(qk.idx, None)
                 if q.pending.pop(qk.idx, None) is None:
                     slot = q.holder.pop(qk.idx, None)
                     if slot is not None:
@@ -266,8 +278,9 @@ class QueueState:
                         slot.held.pop(qk.idx, None)
                         self._dirty.add(q)  # room in its prefetch window
             elif e.prev_kv is None:
-                self._messages.append((qk.name, qk.idx, True))
                 q.produced += 1
+                if self._now_ms:
+                    q.produced_ms[qk.idx] = self._now_ms
                 q.next_idx = max(q.next_idx, qk.idx + 1)
                 q.pending[qk.idx] = e.kv.key
                 self._dirty.add(q)
@@ -367,6 +380,7 @@ class QueueState:
 
     def _dead_letter(self, store: MVCCStore) -> None:
         moves, self._to_dead = self._to_dead, []
+        stamps: list[tuple[QueueInfo, int, int]] = []  # (dead queue, new idx, produced)
         with store.write() as txn:
             for q, idx in moves:
                 key = q.pending.get(idx)
@@ -377,13 +391,20 @@ class QueueState:
                     continue
                 dead = self._queue(q.dead_letter_name(), q.spelling)
                 q.dead_lettered += 1
-                txn.delete_range(key, None)
                 new_idx = dead.next_idx
                 dead.next_idx += 1
+                stamps.append((dead, new_idx, q.produced_ms.get(idx, 0)))
+                txn.delete_range(key, None)
                 suffix = key.rsplit(b"/", 1)[1]
                 txn.put(
                     keys.message_key(dead.spelling, dead.name, new_idx, suffix), kv.value, kv.lease
                 )
+        # committed (and followed): a dead letter keeps when it was produced
+        for dead, new_idx, produced in stamps:
+            if produced:
+                dead.produced_ms[new_idx] = produced
+            else:
+                dead.produced_ms.pop(new_idx, None)
 
     def _assign(self, q: QueueInfo, revision: int) -> None:
         """Hand pending messages out, oldest first, round-robin over consumers
@@ -425,6 +446,7 @@ class QueueState:
                     "consumers": [
                         (s.consumer_id, s.node, list(s.held)) for s in q.consumers.values()
                     ],
+                    "produced_ms": sorted(q.produced_ms.items()),
                 },
             )
             for q in self.queues.values()
@@ -443,6 +465,7 @@ class QueueState:
             if rest:
                 q.next_consumer = rest[0]["next_consumer"]
                 held[name] = rest[0]["consumers"]
+                q.produced_ms = dict(rest[0].get("produced_ms", ()))
         for spelling in (keys.SHORT, keys.LONG):
             end = spelling[:-1] + b"0"  # every key under the spelling
             for kv in store.range(spelling, end).kvs:

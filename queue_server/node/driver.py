@@ -5,8 +5,7 @@ log hands each command's effects here (through `apply.Applier`), and the driver
 gives each part its share, in this order:
 
 1. committed events to the watch hub (key watchers) and the consumer directory
-   (registry keys deleted under a live consumer); produced and removed queue
-   messages to the delivery table (when each was first seen);
+   (registry keys deleted under a live consumer);
 2. queue assignments to the delivery of the node hosting each consumer: held
    until the log has applied its batch (`batch_applied`), so a consumer gets
    what one group commit assigned it in as few WatchResponses as its window
@@ -68,8 +67,6 @@ class NodeDriver:
         for revision, events in effects.commits:
             for listener in listeners:
                 listener(revision, events)
-        if effects.queue_messages:
-            parts.delivery.on_messages(effects.queue_messages)
         if effects.assignments:
             waiting = self._assigned
             for a in effects.assignments:

@@ -4,7 +4,12 @@ A policy is an object with an `interval` (seconds) and `due(now)`: the loop call
 `due` with the clock's time once `interval` has passed since its last call. The
 policies read no clock themselves (ack deadlines, stuck consumers, lease expiry,
 session keepalive, progress notification, compaction, CQS visibility), so tests
-drive them, and `Timers.run_due(now)`, with a fake clock in milliseconds.
+drive them, and `Timers.run_due(now)`, with a fake clock.
+
+The clock has two faces: `clock` (monotonic seconds) times the policies, and
+`wall_ms` (Unix milliseconds) is what a policy stamps on a command it proposes
+(apply reads no clock: the CQS visibility expiry carries the proposer's time).
+A test hands in one fake for both.
 """
 
 from __future__ import annotations
@@ -45,9 +50,16 @@ class _Entry:
 class Timers:
     """Every periodic policy of one node, on one clock."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time
+    ) -> None:
         self.clock = clock
+        self.wall = wall
         self._entries: list[_Entry] = []
+
+    def wall_ms(self) -> int:
+        """The wall clock in Unix milliseconds: the stamp of a proposed command."""
+        return int(self.wall() * 1000)
 
     def add(self, name: str, policy: TimerPolicy) -> None:
         """Call `policy.due` every `policy.interval` seconds from now."""

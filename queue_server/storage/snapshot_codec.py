@@ -11,8 +11,9 @@ position layout, nothing else of the server.
 Theory of operation. `encode_records` walks an exported state once and yields
 the records in file order: the header (with how many of each item follow), the
 store's revisions, its key histories in chunks of about `CHUNK_BYTES`, then
-leases, alarms, queues, CQS queues (each followed by its notifications in
-chunks), members and auth. Only one chunk's messages exist at a time, so writing
+leases, alarms, queues (each followed by its messages' produce times in
+chunks), CQS queues (each followed by its notifications in chunks), members
+and auth. Only one chunk's messages exist at a time, so writing
 never holds a second copy of the state.
 
 `StateReader` is fed the records one at a time, in file order, and builds the
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
@@ -46,6 +48,10 @@ CHUNK_BYTES = 1 << 20
 """Target size of one chunk record. Small enough that writing or reading holds
 only about a MiB besides the state itself, large enough that per-record costs
 (framing, one protobuf parse) are noise. A record exceeds it by at most one item."""
+
+PRODUCED_PER_CHUNK = 1 << 17
+"""Produce times in one QueueChunk: a few bytes each (delta-encoded), at most 20,
+so a chunk stays within a few MiB however long the queue."""
 
 ITEM_BYTES = 32
 """What one item costs in a chunk besides its bytes fields, for the size estimate
@@ -113,6 +119,9 @@ def encode_records(
         )
     for queue in state["queues"]:
         yield pb.Record(queue=_queue(queue))
+        produced = queue[4]["produced_ms"]  # (idx, ms), idx ascending
+        for at in range(0, len(produced), PRODUCED_PER_CHUNK):
+            yield pb.Record(queue_chunk=_produced_chunk(produced[at : at + PRODUCED_PER_CHUNK]))
     for cqs_queue in state["cqs"]:
         yield from _cqs_records(cqs_queue)
     for members in _chunks(state["members"].items(), _member_bytes):
@@ -178,7 +187,20 @@ def _queue(queue: tuple[Any, ...]) -> pb.Queue:
             pb.Consumer(consumer_id=c, node=node, held=held)
             for c, node, held in assignment["consumers"]
         ],
+        produced_count=len(assignment["produced_ms"]),
     )
+
+
+def _produced_chunk(produced: list[tuple[int, int]]) -> pb.QueueChunk:
+    return pb.QueueChunk(
+        produced_idx_delta=_deltas([idx for idx, _ in produced]),
+        produced_ms_delta=_deltas([ms for _, ms in produced]),
+    )
+
+
+def _deltas(values: list[int]) -> list[int]:
+    """The first value, then each one's difference to the one before."""
+    return [b - a for a, b in zip([0, *values], values, strict=False)]
 
 
 def _notification(row: tuple[Any, ...]) -> pb.Notification:
@@ -296,11 +318,13 @@ def parse_record(raw: bytes) -> pb.Record:
     return record
 
 
-_RANKS = {"cqs_chunk": pb.Record.DESCRIPTOR.fields_by_name["cqs_queue"].number} | {
-    f.name: f.number for f in pb.Record.DESCRIPTOR.fields if f.name != "cqs_chunk"
+_CHUNK_OF = {"cqs_chunk": "cqs_queue", "queue_chunk": "queue"}
+_RANKS = {
+    f.name: pb.Record.DESCRIPTOR.fields_by_name[_CHUNK_OF.get(f.name, f.name)].number
+    for f in pb.Record.DESCRIPTOR.fields
 }
-"""A record kind's place in the file: its field number; a CQS queue and its
-chunks share one place, since they alternate."""
+"""A record kind's place in the file: its field number; a queue and its chunks
+share one place, since they alternate."""
 
 _SINGLE = frozenset({"header", "mvcc", "auth"})
 """Kinds that appear exactly once."""
@@ -319,6 +343,7 @@ class StateReader:
         self._alarms: list[tuple[int, int]] = []
         self._queues: list[tuple[Any, ...]] = []
         self._queue_names: set[bytes] = set()
+        self._produced_counts: list[int] = []  # produce times each queue announced
         self._cqs: list[dict[str, Any]] = []
         self._cqs_names: set[str] = set()
         self._tokens: set[str] = set()  # in-flight ack tokens of the last CQS queue
@@ -332,6 +357,7 @@ class StateReader:
             "leases": self._add_leases,
             "alarms": self._add_alarms,
             "queue": self._add_queue,
+            "queue_chunk": self._add_queue_chunk,
             "cqs_queue": self._add_cqs_queue,
             "cqs_chunk": self._add_cqs_chunk,
             "members": self._add_members,
@@ -351,6 +377,8 @@ class StateReader:
             raise SnapshotFormatError(f"a {kind} record before the mvcc record")
         if kind == "cqs_chunk" and not self._cqs:
             raise SnapshotFormatError("CQS notifications before any CQS queue")
+        if kind == "queue_chunk" and (not self._queues or self._cqs):
+            raise SnapshotFormatError("produce times before any queue")
         self._rank = rank
         self._add[kind](getattr(record, kind))
 
@@ -365,6 +393,9 @@ class StateReader:
         _count("queues", header.queue_count, len(self._queues))
         _count("CQS queues", header.cqs_queue_count, len(self._cqs))
         _count("members", header.member_count, len(self._members))
+        for etcd_queue, produced in zip(self._queues, self._produced_counts, strict=True):
+            found = len(etcd_queue[4]["produced_ms"])
+            _count(f"produce times in {etcd_queue[0]!r}", produced, found)
         for queue, (pending, in_flight) in zip(self._cqs, self._cqs_counts, strict=True):
             tree = queue["tree"]
             _count(f"pending in {queue['name']!r}", pending, len(tree["pending"]))
@@ -458,9 +489,28 @@ class StateReader:
                 queue.spelling,
                 queue.next_idx,
                 attempts,
-                {"next_consumer": queue.next_consumer, "consumers": consumers},
+                {
+                    "next_consumer": queue.next_consumer,
+                    "consumers": consumers,
+                    "produced_ms": [],
+                },
             )
         )
+        self._produced_counts.append(queue.produced_count)
+
+    def _add_queue_chunk(self, chunk: pb.QueueChunk) -> None:
+        name = self._queues[-1][0]
+        idx_deltas, ms_deltas = chunk.produced_idx_delta, chunk.produced_ms_delta
+        if len(idx_deltas) != len(ms_deltas):
+            raise SnapshotFormatError(
+                f"queue {name!r} has {len(idx_deltas)} produce indexes "
+                f"and {len(ms_deltas)} produce times"
+            )
+        produced: list[tuple[int, int]] = self._queues[-1][4]["produced_ms"]
+        last = produced[-1][0] if produced else 0
+        if idx_deltas and (idx_deltas[0] <= last or 0 in idx_deltas[1:]):
+            raise SnapshotFormatError(f"queue {name!r} has produce times out of order")
+        produced.extend(zip(accumulate(idx_deltas), accumulate(ms_deltas), strict=True))
 
     def _add_cqs_queue(self, queue: pb.CqsQueue) -> None:
         if queue.name in self._cqs_names:

@@ -2,9 +2,10 @@
 over an in-memory log and a fake clock.
 
 The parts are the server's own (`Delivery`, `ConsumerDirectory`, `WatchHub`,
-`CqsWatchConsumers`, `AckPolicy`, `ExpiryPolicy`, `Timers`); only the log (a
-list, applied at once) and the clock (`FakeClock`, advanced by the test) stand
-in for the disk and time. Proposals run as asyncio tasks, so they interleave
+`CqsWatchConsumers`, `AckPolicy`, `ExpiryPolicy`, `VisibilityTimer`, `Timers`);
+only the log (a list, applied at once) and the clock (`FakeClock`, advanced by
+the test; both the monotonic and the wall face of `Timers`) stand in for the
+disk and time. Proposals run as asyncio tasks, so they interleave
 as they do in the server; `settle()` runs the loop until nothing is left to do.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 
 from etcdserverpb import internal_pb2, rpc_pb2
 from queue_server.apply import Applier, ApplyResult, Effects, StateMachine
+from queue_server.cqs.visibility import VisibilityTimer
 from queue_server.cqs.watch_view import CqsWatchConsumers
 from queue_server.lease.expiry import ExpiryClock, ExpiryPolicy
 from queue_server.mq.ack_policy import AckPolicy
@@ -81,7 +83,7 @@ class Node:
     def __init__(self, clock: FakeClock | None = None, lease_ids: int = 0x1000) -> None:
         self.clock = clock or FakeClock()
         self.state = StateMachine()
-        self.timers = Timers(self.clock)
+        self.timers = Timers(self.clock, self.clock)
         self.driver = NodeDriver(self.timers)
         self.effects: list[Effects] = []
         self.applier = Applier(self.state, self)
@@ -121,6 +123,10 @@ class Node:
         self.timers.add("queue-acks", AckPolicy(self.delivery, self.consumers.drop))
         self.timers.add("lease-expiry", ExpiryPolicy(self.expiry, self._revoke, self.spawn))
         self.timers.add("cqs-visibility", self.cqs_view)
+        self.cqs_expiry = VisibilityTimer(
+            self.state.cqs, self.log.propose, self.spawn, self.timers.wall_ms
+        )
+        self.timers.add("cqs-expiry", self.cqs_expiry)
 
     def applied(self, effects: Effects) -> None:
         """The applier's sink: recorded, then the driver's."""
@@ -160,12 +166,19 @@ class Node:
         await self.settle()
 
     async def put(self, key: bytes, value: bytes = b"v", lease: int = 0) -> ApplyResult:
+        """A client's Put, stamped with the clock as the KV service stamps it."""
         return await self.log.propose(
-            Command(put=rpc_pb2.PutRequest(key=key, value=value, lease=lease))
+            Command(
+                put=rpc_pb2.PutRequest(key=key, value=value, lease=lease),
+                now_ms=self.timers.wall_ms(),
+            )
         )
 
     async def delete(self, key: bytes) -> ApplyResult:
-        return await self.log.propose(Command(delete_range=rpc_pb2.DeleteRangeRequest(key=key)))
+        """A client's DeleteRange, stamped as the KV service stamps it."""
+        return await self.log.propose(
+            Command(delete_range=rpc_pb2.DeleteRangeRequest(key=key), now_ms=self.timers.wall_ms())
+        )
 
     def watch(self, key: bytes) -> WatchStream:
         """A watch stream with one watch on exactly `key` (its outbox is what a

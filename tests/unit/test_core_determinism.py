@@ -79,8 +79,10 @@ async def test_a_node_with_consumers_applies_what_a_node_without_does() -> None:
     sb = node.watch(b"/queue/jobs/consumer/" + b)
     await node.settle()
     for i in range(6):
+        node.clock.advance(0.25)  # each produce stamped with its own time
         await node.put(b"/queue/jobs/producer/m%d" % i, b"x%d" % i)
     await node.settle()
+    assert len(set(node.state.queues.queues[b"jobs"].produced_ms.values())) == 6
     got_a = delivered_keys(sa)
     got_b = delivered_keys(sb)
     assert len(got_a) == 2 and len(got_b) == 2  # prefetch windows full
