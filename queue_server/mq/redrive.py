@@ -9,13 +9,14 @@ One Txn per dead letter, the shape docs/queue.md documents for clients:
 
     compare: CREATE(/q/{dead}/{idx}/{key}) == the dead letter's create_revision
     success: DeleteRange(/q/{dead}/{idx}/{key})
-             Put(/q/{name}/p/{key}, value)
+             Put(/q/{name}/p/{key}, value, lease)
 
 The compare makes a Txn a no-op if the dead letter was consumed, cancelled or
 already redriven (a retried redrive moves nothing twice). The delete removes it
 from the dead-letter queue; the put is a produce, rewritten in apply into the
 queue's next message key, so the message goes to the back of the line with a
-fresh delivery count. The message's lease, if it had one, is not carried over.
+fresh delivery count. The dead letter's lease, if it had one (the lease it was
+produced with), goes with it.
 
 Only pending dead letters are moved: one a consumer of the dead-letter queue
 holds is being worked on, and deleting it would acknowledge it under that
@@ -50,7 +51,12 @@ class RedrivePlan:
 
 
 def redrive_txn(
-    spelling: bytes, name: bytes, dead_key: bytes, create_revision: int, value: bytes
+    spelling: bytes,
+    name: bytes,
+    dead_key: bytes,
+    create_revision: int,
+    value: bytes,
+    lease: int = 0,
 ) -> rpc_pb2.TxnRequest:
     """The Txn that moves the dead letter at `dead_key` back onto queue `name`."""
     suffix = dead_key.rsplit(b"/", 1)[1]
@@ -67,7 +73,7 @@ def redrive_txn(
             rpc_pb2.RequestOp(request_delete_range=rpc_pb2.DeleteRangeRequest(key=dead_key)),
             rpc_pb2.RequestOp(
                 request_put=rpc_pb2.PutRequest(
-                    key=keys.producer_key(spelling, name, suffix), value=value
+                    key=keys.producer_key(spelling, name, suffix), value=value, lease=lease
                 )
             ),
         ],
@@ -97,5 +103,7 @@ def plan_redrive(queues: QueueState, store: MVCCStore, name: str, count: int | N
         kv = store.get(dead_key)
         if kv is None:  # pragma: no cover - pending keys exist
             continue
-        txns.append(redrive_txn(q.spelling, q.name, dead_key, kv.create_revision, kv.value))
+        txns.append(
+            redrive_txn(q.spelling, q.name, dead_key, kv.create_revision, kv.value, kv.lease)
+        )
     return RedrivePlan(name, dead_name.decode(errors="replace"), txns)

@@ -88,7 +88,7 @@ class QueueSettings:
         """The etcd-key queue's fields of a parsed config."""
         s = cls()
         try:
-            s.ack_deadline = float(raw.get("ack_deadline", 0))  # type: ignore[arg-type]
+            s.ack_deadline = float(raw.get("ack_deadline", DEFAULT_ACK_DEADLINE))  # type: ignore[arg-type]
             s.max_deliveries = int(raw.get("max_deliveries", 0))  # type: ignore[call-overload]
             s.dead_letter = str(raw.get("dead_letter", "")).encode()
             s.prefetch = int(raw.get("prefetch", DEFAULT_PREFETCH))  # type: ignore[call-overload]

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from etcdserverpb import internal_pb2, rpc_pb2
 from queue_server.apply import StateMachine
+from queue_server.mq.state import DEFAULT_ACK_DEADLINE, QueueSettings
 
 pytestmark = pytest.mark.unit
 
@@ -165,3 +166,11 @@ def test_replicas_and_snapshots_agree_on_every_assignment(ops: list[tuple[Any, .
             # nothing pending while a consumer has room
             if q1.pending and q1.consumers:
                 assert all(len(s.held) == 3 for s in q1.consumers.values())
+
+
+def test_a_config_without_ack_deadline_keeps_the_default() -> None:
+    """Setting one field (a consumer library writing only `prefetch`) must not
+    switch the 30 s ack deadline off; 0 does, when asked for."""
+    assert QueueSettings().ack_deadline == DEFAULT_ACK_DEADLINE == 30.0
+    assert QueueSettings.parse(b'{"prefetch": 4}').ack_deadline == DEFAULT_ACK_DEADLINE
+    assert QueueSettings.parse(b'{"ack_deadline": 0}').ack_deadline == 0.0
