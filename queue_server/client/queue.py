@@ -291,9 +291,15 @@ class Consumer:
         consumer_id: str | None = None,
         prefetch: int | None = None,
     ) -> None:
-        """`consumer_id` is a UUID (a new one by default); `prefetch`, if given, is
+        """`consumer_id` is a UUID (a new one by default; the server needs one to
+        know the consumer again after a reconnect); `prefetch`, if given, is
         written to the queue's settings: it is per queue, so it applies to every
         consumer of the queue."""
+        if consumer_id is not None:
+            try:
+                uuid.UUID(consumer_id)
+            except ValueError:
+                raise ValueError(f"consumer_id must be a UUID, not {consumer_id!r}") from None
         self.connection = connection
         self.name = name
         self.consumer_id = consumer_id or str(uuid.uuid4())
