@@ -40,6 +40,13 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # a member that hangs (stopped, cut off) is noticed within 15 s: a ping
+    # every 10 s, even on an idle watch, is within the server's ping policy
+    # (a strike is a ping less than 5 s after the last one)
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
     # deliveries come in responses of at most about 2 MiB, but one message may
     # be up to --max-request-bytes (1.5 MiB) plus its key: 16 MiB is plenty
     ("grpc.max_receive_message_length", 16 * 1024 * 1024),
