@@ -414,6 +414,13 @@ class Consumer:
             except WatchRefused as e:
                 self._fail(e)
                 return
+            except (OSError, asyncio.InvalidStateError, grpc.aio.UsageError) as e:
+                log.warning(
+                    "queue consumer watch failed queue=%s endpoint=%s error=%r",
+                    self.name,
+                    stubs.endpoint,
+                    e,
+                )
             finally:
                 self._watching.clear()
                 self.endpoint = None

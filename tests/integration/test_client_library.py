@@ -250,6 +250,9 @@ async def test_consumer_and_producer_go_on_across_a_leader_failover(cluster: Clu
                 m = await consumer.get(max(0.0, deadline - time.monotonic()))
                 assert m is not None, f"never delivered after the failover: {want - seen}"
                 seen.add(m.value)
+                # a message key, or the handed-over key of a non-dispatching member
+                assert m.message_key == f"/q/{queue}/{m.idx:016d}/".encode() + m.producer_key
+                assert m.key in (m.message_key, consumer.key + m.message_key[len(queue) + 3 :])
                 await m.ack()
             assert held[0].value == b"held"
             await wait_depth(client, queue, 0)
