@@ -20,8 +20,8 @@ Theory of operation:
   lease (if any), which must never be revoked (that would delete the message):
   `nack()` and `extend()` tell the two apart by reading the stored message key.
 - A message is identified by `create_revision` (the revision of its produce).
-  `mod_revision` is the produce revision today, the delivery revision on
-  servers that stamp deliveries; nothing here depends on which.
+  `mod_revision` is the revision the delivery was handed out at, and the
+  key's `version` counts the times the message came back (`delivery_count`).
 
 Imports the key grammar (`queue_server.keyspace.grammar`, pure) and nothing
 else of the server.
@@ -126,12 +126,15 @@ class MessageInfo:
     create_revision: int
     """The revision of the produce: what identifies the message."""
     mod_revision: int
-    """The produce revision, or the delivery's on servers that stamp deliveries."""
+    """The revision this delivery was handed out at (not the message's identity)."""
     version: int
     lease: int
     """The delivery lease under an ack deadline; else the message's own lease, or 0."""
-    delivery_count: int | None
-    """Deliveries of the message so far, when the server reports it; None: it does not."""
+    delivery_count: int
+    """Which delivery of the message this is (1: the first). The server puts a
+    message taken back unacknowledged again, so its key's `version` is one more
+    than the times it came back; this is that `version` (a plain put on the
+    message key by someone else would count too)."""
     endpoint: str
     """The member whose watch delivered it (delivery leases live there)."""
 
@@ -253,7 +256,7 @@ def message_from_event(
         mod_revision=kv.mod_revision,
         version=kv.version,
         lease=kv.lease,
-        delivery_count=None,
+        delivery_count=kv.version,
         endpoint=endpoint,
         connection=connection,
     )

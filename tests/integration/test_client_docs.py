@@ -59,6 +59,7 @@ def test_every_example_runs(server: ServerProcess, tmp_path: Path) -> None:
     # what the examples print shows they did what the page says
     assert "b'job-17' b'resize photo 17'" in text
     assert "thumbnail for b'photo 2'" in text
+    assert "deadline 60 s" in text and "delivery 2 of b'r2'" in text
     assert "will come back ['t/fm/s/oslo/esls/busy']" in text
     assert "parked t/fm/s/oslo/esls/bad" in text
     assert "split into 2 acknowledged True" in text

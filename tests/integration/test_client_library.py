@@ -130,6 +130,8 @@ async def test_nack_gives_back_and_it_is_redelivered(server: ServerProcess) -> N
             assert await m.nack()
             (again,) = await take(consumer, 1, timeout=10)  # long before the 30 s deadline
             assert (again.create_revision, again.value) == (m.create_revision, b"work")
+            assert (m.delivery_count, again.delivery_count) == (1, 2)
+            assert again.mod_revision > m.mod_revision  # the revision it was handed out at
             assert again.lease != m.lease
             with pytest.raises(DeliveryLost):
                 await m.extend()  # the first delivery is over
@@ -213,6 +215,7 @@ async def test_consumer_resumes_after_a_server_restart(tmp_path: Path) -> None:
                 # what it held and never acknowledged comes again on the new watch
                 (again,) = await take(consumer, 1)
                 assert (again.create_revision, again.value) == (held.create_revision, b"held")
+                assert (held.delivery_count, again.delivery_count) == (1, 2)
                 assert consumer.watches == 2
                 await client.producer(queue).send(b"after", key="b")
                 (after,) = await take(consumer, 1)
@@ -271,7 +274,7 @@ async def test_redrive_moves_dead_letters_back(server: ServerProcess) -> None:
             assert await depth(client, queue) == 0
             assert await client.redrive(queue, limit=1) == 1  # oldest first
             (back,) = await take(consumer, 1)
-            assert (back.producer_key, back.value) == (b"x", b"1")
+            assert (back.producer_key, back.value, back.delivery_count) == (b"x", b"1", 1)
             assert back.create_revision > 0 and back.message_key.startswith(f"/q/{queue}/".encode())
             assert await client.redrive(queue) == 2
             rest = await take(consumer, 2)
