@@ -34,7 +34,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -233,6 +233,38 @@ class Message(MessageInfo):
         if ttl <= 0:
             raise DeliveryLost(f"the delivery of {self.key!r} has ended")
         return ttl
+
+    async def start_extending(self, every: float | None = None) -> asyncio.Task[None]:
+        """Extend now, then every `every` seconds (default: a third of the
+        deadline) in a task, until the task is cancelled or the delivery ends.
+        Raises at once what `extend()` raises. `extending()` is the usual way."""
+        ttl = await self.extend()
+        interval = every if every is not None else max(ttl / 3, 0.1)
+
+        async def keep() -> None:
+            while True:
+                await asyncio.sleep(interval)
+                try:
+                    await self.extend()
+                except DeliveryLost:
+                    return
+                except grpc.aio.AioRpcError as e:  # the next round may get through
+                    log.warning("queue delivery extend failed key=%r code=%s", self.key, e.code())
+
+        return asyncio.create_task(keep(), name=f"extend {self.key!r}")
+
+    @contextlib.asynccontextmanager
+    async def extending(self, every: float | None = None) -> AsyncIterator[None]:
+        """Keep the delivery while the block runs: `async with message.extending():
+        await long_work()`. Extends on entry, then every `every` seconds
+        (default: a third of the deadline)."""
+        task = await self.start_extending(every)
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 def message_from_event(

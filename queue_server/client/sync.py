@@ -11,6 +11,7 @@ may block. Errors are the async API's, raised in the caller's thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -175,6 +176,22 @@ class SyncMessage(MessageInfo):
 
     def extend(self) -> int:
         return self.client.run(self.message.extend())
+
+    @contextlib.contextmanager
+    def extending(self, every: float | None = None) -> Iterator[None]:
+        """Keep the delivery while the block runs (see `Message.extending`); the
+        extensions run on the client's loop thread."""
+        task = self.client.run(self.message.start_extending(every))
+        try:
+            yield
+        finally:
+            self.client.run(_stop(task), CLOSE_WAIT)
+
+
+async def _stop(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 class SyncConsumer:

@@ -165,20 +165,24 @@ async def test_extend_keeps_a_delivery_past_its_deadline(server: ServerProcess) 
     async with Client(server.endpoint) as client:
         await client.configure(queue, ack_deadline=2)
         async with client.consumer(queue) as consumer:
-            await client.producer(queue).send_batch([("kept", b"a"), ("lapsed", b"b")])
-            kept, lapsed = await take(consumer, 2)
+            await client.producer(queue).send_batch(
+                [("kept", b"a"), ("lapsed", b"b"), ("auto", b"c")]
+            )
+            kept, lapsed, auto = await take(consumer, 3)
             assert kept.producer_key == b"kept"
             start = time.monotonic()
             redelivered: list[Message] = []
-            while time.monotonic() - start < 5.0:  # over twice the deadline
-                for held in [kept, *redelivered]:
-                    assert await held.extend() == 2
-                m = await consumer.get(0.6)  # under a third of the deadline
-                if m is not None:
-                    redelivered.append(m)
-            # the one not extended came back; the extended one did not
+            async with auto.extending():  # extended by a task, every third of the deadline
+                while time.monotonic() - start < 5.0:  # over twice the deadline
+                    for held in [kept, *redelivered]:
+                        assert await held.extend() == 2
+                    m = await consumer.get(0.6)  # under a third of the deadline
+                    if m is not None:
+                        redelivered.append(m)
+            # the one not extended came back; the extended ones did not
             assert [m.create_revision for m in redelivered] == [lapsed.create_revision]
             assert await kept.ack(), "still held: its ack removes it"
+            assert await auto.ack()
             assert await redelivered[0].ack()
 
 
@@ -199,6 +203,11 @@ async def test_prefetch_is_honoured(server: ServerProcess) -> None:
         assert await first[1].ack() and await third.ack()
         rest = await take(consumer, 2)
         assert [m.value for m in rest] == [b"4", b"5"]
+    # closing gives back what the consumer held: the next consumer gets it
+    async with Client(server.endpoint) as client, client.consumer(queue) as successor:
+        again = await take(successor, 2)
+        assert [m.create_revision for m in again] == [m.create_revision for m in rest]
+        assert all([await m.ack() for m in again])
 
 
 async def test_consumer_resumes_after_a_server_restart(tmp_path: Path) -> None:
@@ -413,6 +422,8 @@ def test_sync_api_produce_consume_ack_nack_and_cqs(server: ServerProcess, cqs: C
             assert [m.value for m in got] == [b"1", b"2"]
             assert [m.create_revision for m in got] == revisions
             assert got[0].ack()
+            with got[1].extending(every=0.1):
+                assert consumer.get(0.3) is None
             assert got[1].extend() == 30
             assert got[1].nack()
             again = consumer.get(WAIT)
