@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Coroutine, Iterable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, TypeVar
@@ -285,9 +285,9 @@ class SyncCqsConsumer:
 
     def process(
         self,
-        handler: Any,
+        handler: Callable[[Notification], object],
         *,
-        on_permanent: Any = None,
+        on_permanent: Callable[[Notification, BaseException], object] | None = None,
         batch: Sequence[Notification] | None = None,
         **dequeue: Any,
     ) -> BatchOutcome:
