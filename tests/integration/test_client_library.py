@@ -29,7 +29,6 @@ from queue_server.client import (
     Message,
     NoDeliveryLease,
     SyncClient,
-    is_transient,
     produce_op,
 )
 from tests.integration.cqs_support import Cqs, unique
@@ -328,14 +327,6 @@ class Unavailable(grpc.RpcError):
 
     def code(self) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE
-
-
-def test_the_seed_classification() -> None:
-    wrapped = RuntimeError("reading the DTO failed")
-    wrapped.__cause__ = Unavailable()
-    assert is_transient(Unavailable()) and is_transient(wrapped)
-    assert is_transient(ConnectionRefusedError()) and is_transient(TimeoutError())
-    assert not is_transient(ValueError("bad data"))
 
 
 async def test_cqs_batch_acknowledges_by_the_seed_rule(server: ServerProcess, cqs: Cqs) -> None:
