@@ -432,6 +432,9 @@ class Consumer:
     async def _run(self) -> None:
         delay = BACKOFF_FIRST
         while not self._closed:
+            if self.connection.closed:
+                self._fail(ConsumerClosed("the client was closed"))
+                return
             stubs = self.connection.stubs()
             created = False
             try:
@@ -449,6 +452,11 @@ class Consumer:
             except WatchRefused as e:
                 self._fail(e)
                 return
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if self._closed or (task is not None and task.cancelling()):
+                    raise
+                # grpc cancelled the call, not us: its channel was closed
             except (OSError, asyncio.InvalidStateError, grpc.aio.UsageError) as e:
                 log.warning(
                     "queue consumer watch failed queue=%s endpoint=%s error=%r",
@@ -469,7 +477,7 @@ class Consumer:
             delay = min(delay * 2, BACKOFF_MAX)
 
     def _fail(self, error: BaseException) -> None:
-        log.warning("queue consumer refused queue=%s error=%s", self.name, error)
+        log.warning("queue consumer ended queue=%s error=%s", self.name, error)
         self._error = error
         self._buffer.put_nowait(_END)
 
