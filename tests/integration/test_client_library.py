@@ -25,6 +25,7 @@ from etcdserverpb import cqs_pb2, rpc_pb2, rpc_pb2_grpc
 from queue_server.client import (
     Client,
     Consumer,
+    ConsumerClosed,
     DeliveryLost,
     Message,
     NoDeliveryLease,
@@ -317,6 +318,17 @@ async def test_ack_with_is_exactly_once(server: ServerProcess) -> None:
             assert await m.ack_with(produce_op(out, "o1", b"invoice"))
             assert not await m.ack_with(produce_op(out, "o1", b"invoice"))  # a redelivery
         assert await depth(client, out) == 1
+
+
+async def test_closing_the_client_ends_its_consumers(server: ServerProcess) -> None:
+    client = Client(server.endpoint)
+    consumer = await client.consumer(name("closing")).start()
+    await client.close()
+    with pytest.raises(ConsumerClosed):
+        await asyncio.wait_for(consumer.get(), WAIT)
+    await consumer.close()
+    with pytest.raises(ConsumerClosed):
+        await consumer.get(0)
 
 
 # -- CQS --------------------------------------------------------------------------
