@@ -409,7 +409,9 @@ class Consumer:
     async def __anext__(self) -> Message:
         if self._task is None:
             await self.start()
-        item = await self._buffer.get()
+        return self._taken(await self._buffer.get())
+
+    def _taken(self, item: Message | _End) -> Message:
         if isinstance(item, _End):
             self._buffer.put_nowait(item)  # every later call ends too
             if self._error is not None:
@@ -418,11 +420,18 @@ class Consumer:
         return item
 
     async def get(self, timeout: float | None = None) -> Message | None:
-        """The next delivery, or None if none came within `timeout` seconds.
-        Raises ConsumerClosed once the consumer has ended."""
+        """The next delivery, or None if none came within `timeout` seconds (0:
+        only one already here). Raises ConsumerClosed once the consumer has
+        ended, or what ended it."""
+        if self._task is None:
+            await self.start()
         try:
-            return await asyncio.wait_for(self.__anext__(), timeout)
-        except TimeoutError:
+            if timeout is not None and timeout <= 0:
+                item = self._buffer.get_nowait()
+            else:
+                item = await asyncio.wait_for(self._buffer.get(), timeout)
+            return self._taken(item)
+        except (TimeoutError, asyncio.QueueEmpty):
             return None
         except StopAsyncIteration:
             raise ConsumerClosed("the consumer was closed") from None
