@@ -5,6 +5,8 @@ never sideways between names that share a line; `tests/unit/test_package_layers.
 reads this list and checks every import against it. `raft/`, the Raft algorithm
 with no I/O, is a library beside the package and imports nothing from it.
 
+- `client/`    a client library for both queues (asyncio and blocking), over
+                grpcio and etcdserverpb: nothing in the server imports it.
 - `cli.py`      the `queue-server` command: flags -> Config -> Server, signals, exit status.
 - `server.py`   composition and lifecycle: builds the parts, hands them to the node
                 driver, binds the ports; graceful stop. With --initial-cluster it
