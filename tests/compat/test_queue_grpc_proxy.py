@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import queue
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -41,7 +40,7 @@ from tests.integration.test_queue import (
     produce,
     suffix_of,
 )
-from tests.support.processes import STOP_TIMEOUT, ServerProcess, wait_ready
+from tests.support.processes import ServerProcess, terminate, wait_ready
 
 pytestmark = [
     pytest.mark.compat,
@@ -75,13 +74,7 @@ class GrpcProxy:
         return f"127.0.0.1:{self.port}"
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=STOP_TIMEOUT)
+        terminate(self.proc)
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,19 @@ def wait_ready(
     raise TimeoutError(f"server at {endpoint} not ready after {timeout}s: {last}")
 
 
+def terminate(proc: subprocess.Popen[bytes]) -> None:
+    """End a process we started: SIGTERM, then SIGKILL if it has not exited
+    within STOP_TIMEOUT."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=STOP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=STOP_TIMEOUT)
+
+
 def run_cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`queue-server ARGS` to its end (bounded): for startup failures and restore."""
     return subprocess.run(
@@ -220,10 +233,5 @@ class EtcdProcess:
         return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=STOP_TIMEOUT)
+        if self.proc is not None:
+            terminate(self.proc)
