@@ -754,7 +754,9 @@ def test_message_ttl_by_lease(channel: grpc.Channel, kv: rpc_pb2_grpc.KVStub) ->
     (revoked), and while delivered and unacknowledged (expired)."""
     name = b"ttl"
     leases = rpc_pb2_grpc.LeaseStub(channel)
-    configure(kv, name, prefetch=1)
+    # no ack deadline: a delivery then carries the message's own lease (under
+    # one it carries its delivery lease; the stored key keeps the message's)
+    configure(kv, name, prefetch=1, ack_deadline=0)
     revoked = leases.LeaseGrant(rpc_pb2.LeaseGrantRequest(TTL=60), timeout=WAIT).ID
     produce(kv, name, b"short-lived", lease=revoked)
     (msg,) = messages(kv, name)
