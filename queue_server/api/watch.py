@@ -27,7 +27,7 @@ from queue_server.api.header import HeaderFiller
 from queue_server.auth.errors import PermissionDenied
 from queue_server.keyspace import grammar
 from queue_server.transport.methods import Call
-from queue_server.watch.hub import WatchHub, WatchStream
+from queue_server.watch.hub import PROGRESS_WATCH_ID, WatchHub, WatchStream
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
                 create = req.create_request
                 if permitted is not None and not permitted(context, create):
                     reason = PermissionDenied.message
-                    stream.push(_refused(create, hub.store.revision, reason))
+                    stream.push(_refused(create.watch_id, hub.store.revision, reason))
                 elif (problem := grammar.watch_problem(create.key, create.range_end)) is not None:
                     reason = grammar.malformed(create.key, problem).text
                     log.warning(
@@ -109,7 +109,9 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
                         grammar.show(create.range_end),
                         problem,
                     )
-                    stream.push(_refused(create, hub.store.revision, reason))
+                    # -1, as etcd answers a watch its mvcc layer refuses: the
+                    # request's id (0: "any") could name a live watch of the stream
+                    stream.push(_refused(PROGRESS_WATCH_ID, hub.store.revision, reason))
                 else:
                     hub.create(stream, create)
             elif kind == "cancel_request":
@@ -162,14 +164,13 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
             await wake.wait()
 
 
-def _refused(
-    request: rpc_pb2.WatchCreateRequest, revision: int, reason: str
-) -> rpc_pb2.WatchResponse:
-    """etcd 3.5's answer to a watch the user may not read, used for every watch
-    refused before it exists: created and canceled at once, with the request's
-    watch id and the reason; the stream stays open."""
+def _refused(watch_id: int, revision: int, reason: str) -> rpc_pb2.WatchResponse:
+    """etcd 3.5's answer to a watch create it refuses: created and canceled at
+    once, with the reason; the stream stays open. etcd gives the request's
+    watch id to a watch the user may not read, and -1 to one its mvcc layer
+    refuses."""
     response = rpc_pb2.WatchResponse(
-        watch_id=request.watch_id,
+        watch_id=watch_id,
         created=True,
         canceled=True,
         cancel_reason=reason,
