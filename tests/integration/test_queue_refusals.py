@@ -37,6 +37,7 @@ from tests.integration.test_queue import (
     prefix_end,
     put_op,
 )
+from tests.support.cluster import Cluster
 from tests.support.processes import ServerProcess
 
 pytestmark = pytest.mark.integration
@@ -403,3 +404,37 @@ def test_ack_deadline_in_go_duration_text(
             assert (gone.type, gone.kv.key) == (DELETE, ckey)
     finally:
         consumers.close()
+
+
+# -- in a cluster -----------------------------------------------------------------
+
+
+def test_refused_on_a_follower_before_anything_is_proposed(cluster: Cluster) -> None:
+    """A follower refuses like a single server, without asking the leader: the
+    log (every member's revision and keys) does not move."""
+    leader = cluster.wait_leader()
+    follower = next(m for m in cluster.members if m is not leader)
+    with (
+        grpc.insecure_channel(follower.endpoint) as ch,
+        grpc.insecure_channel(leader.endpoint) as leader_ch,
+    ):
+        kv, leader_kv = rpc_pb2_grpc.KVStub(ch), rpc_pb2_grpc.KVStub(leader_ch)
+        kv.Put(rpc_pb2.PutRequest(key=b"/refusals/ordinary", value=b"1"), timeout=WAIT)
+        before = everything(leader_kv)  # linearizable: the put above is in it
+        assert (
+            refused(kv.Put, rpc_pb2.PutRequest(key=b"/q//p/k", value=b"job"))
+            == "etcdserver: queue key /q//p/k: empty queue name"
+        )
+        config = rpc_pb2.PutRequest(key=b"/q/jobs/config", value=b'{"prefetch": true}')
+        assert refused(kv.Put, config) == (
+            'etcdserver: queue config /q/jobs/config: "prefetch": true is not an integer'
+        )
+        stream = WatchStream(ch)
+        try:
+            resp = stream.create(b"/q/jobs/c/worker-1")
+            assert (resp.created, resp.canceled) == (True, True)
+            assert resp.cancel_reason.endswith('consumer id "worker-1" is not a UUID')
+        finally:
+            stream.close()
+        assert everything(kv) == before
+        assert everything(leader_kv) == before
