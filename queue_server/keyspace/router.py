@@ -14,7 +14,9 @@ own queues and publication points; the etcd-key queue takes the rest). The
 shared `/q/{name}/config` is parsed once and shown to every product.
 
 Everything here runs inside apply: deterministic, no clock (a command's time,
-`now_ms`, comes in the command), no I/O.
+`now_ms`, comes in the command), no I/O. The one exception is `check_write`,
+which the KV service calls before it proposes a put (the stateless checks: a
+malformed queue key, a config outside the schema), and which reads no state.
 """
 
 from __future__ import annotations
