@@ -83,9 +83,9 @@ class QueueSettings:
     FIELDS = frozenset({"ack_deadline", "max_deliveries", "dead_letter", "prefetch", "max_depth"})
 
     @classmethod
-    def parse(cls, key: bytes, value: bytes) -> QueueSettings:
-        """The settings of the config value at `key` alone (its other fields
-        ignored), read as apply reads them."""
+    def parse(cls, value: bytes, key: bytes = b"/q/{name}/config") -> QueueSettings:
+        """The settings of a config value alone (its other fields ignored), read
+        as apply reads them; `key` is where it is, for messages."""
         return cls.of(ConfigFields(key, parse_config(key, value), strict=False))
 
     @classmethod
@@ -475,7 +475,7 @@ class QueueState:
                     self._queue(qk.name, qk.spelling).pending[qk.idx] = kv.key
                 elif qk.kind == "config":
                     self._queue(qk.name, qk.spelling).settings = QueueSettings.parse(
-                        kv.key, kv.value
+                        kv.value, kv.key
                     )
         for name, consumers in held.items():
             q = self.queues[name]

@@ -295,7 +295,7 @@ def test_a_config_is_a_json_object(value: bytes, why: str) -> None:
 )
 def test_durations_take_go_text_and_seconds(config: dict[str, object], seconds: float) -> None:
     strict_check(config)
-    assert QueueSettings.parse(KEY, json.dumps(config).encode()).ack_deadline == seconds
+    assert QueueSettings.parse(json.dumps(config).encode(), KEY).ack_deadline == seconds
 
 
 def test_valid_settings_and_the_defaults() -> None:
@@ -308,7 +308,7 @@ def test_valid_settings_and_the_defaults() -> None:
         "cqs": {"subscriptions": [{"dto_type": "a.v1", "alias_name": "x"}], "depth": 0},
     }
     strict_check(good)
-    s = QueueSettings.parse(KEY, json.dumps(good).encode())
+    s = QueueSettings.parse(json.dumps(good).encode(), KEY)
     assert (s.prefetch, s.max_deliveries, s.ack_deadline, s.max_depth, s.dead_letter) == (
         16,
         5,
@@ -318,10 +318,10 @@ def test_valid_settings_and_the_defaults() -> None:
     )
     assert parse_cqs_config(ConfigFields(KEY, good, strict=True)) == ([("a.v1", "x")], 4, 8)
     strict_check({})
-    assert QueueSettings.parse(KEY, b"") == QueueSettings()  # absent: the defaults
-    assert QueueSettings.parse(KEY, b'{"prefetch": 3}').ack_deadline == QueueSettings().ack_deadline
+    assert QueueSettings.parse(b"", KEY) == QueueSettings()  # absent: the defaults
+    assert QueueSettings.parse(b'{"prefetch": 3}', KEY).ack_deadline == QueueSettings().ack_deadline
     assert QueueSettings().prefetch == DEFAULT_PREFETCH
-    assert QueueSettings.parse(KEY, b'{"dead_letter": ""}').dead_letter == b""
+    assert QueueSettings.parse(b'{"dead_letter": ""}', KEY).dead_letter == b""
 
 
 @pytest.mark.parametrize(
@@ -346,7 +346,7 @@ def test_apply_still_reads_what_it_accepted_before_the_schema(
     raw = json.dumps(config).encode()
     with pytest.raises(InvalidQueueConfig):
         StateMachine().router.check_write(KEY, raw)
-    assert getattr(QueueSettings.parse(KEY, raw), field) == value
+    assert getattr(QueueSettings.parse(raw, KEY), field) == value
 
 
 @pytest.mark.parametrize(
