@@ -23,6 +23,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from queue_server.durations import parse_go_duration
+
 log = logging.getLogger(__name__)
 
 REVISION_CHECK_INTERVAL = 300.0
@@ -44,11 +46,10 @@ def parse_retention(mode: str, retention: str) -> float:
         return float(int(text))
     if re.fullmatch(r"\d+(\.\d+)?", text):
         return float(text) * 3600.0  # a bare number means hours, as in etcd
-    units = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", text)
-    if not parts or "".join(n + u for n, u in parts) != text:
+    seconds = parse_go_duration(text)
+    if seconds is None or seconds < 0:
         raise ValueError(f"--auto-compaction-retention {retention!r}: expected e.g. 1h or 30m")
-    return sum(float(n) * units[u] for n, u in parts)
+    return seconds
 
 
 @dataclass(slots=True)

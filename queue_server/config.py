@@ -11,7 +11,6 @@ import argparse
 import importlib.metadata
 import os
 import platform
-import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import NoReturn
 from urllib.parse import urlsplit
 
 from queue_server.compactor import parse_retention
+from queue_server.durations import parse_go_duration
 from queue_server.quota import DEFAULT_QUOTA_BYTES
 from queue_server.watch.hub import DEFAULT_MAX_WATCHERS_PER_STREAM
 
@@ -153,12 +153,12 @@ def metrics_address(url: str) -> tuple[str, int]:
 
 
 def parse_duration(text: str) -> float:
-    """Go-style durations ("5s", "1m30s", "100ms", "2h") in seconds."""
-    units = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-    matches = re.findall(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)", text)
-    if not matches or "".join(n + u for n, u in matches) != text:
+    """Go-style durations ("5s", "1m30s", "100ms", "2h") in seconds; a flag's
+    duration is never negative. The same reader as a queue's settings."""
+    seconds = parse_go_duration(text)
+    if seconds is None or seconds < 0:
         raise ConfigError(f"invalid duration {text!r}")
-    return sum(float(n) * units[u] for n, u in matches)
+    return seconds
 
 
 def _csv(text: str) -> tuple[str, ...]:

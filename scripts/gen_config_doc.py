@@ -28,7 +28,7 @@ edit by hand (a test fails when this page is stale).
 Every flag can also be set by an environment variable: `ETCD_` and the flag's name in
 upper case with dashes as underscores (`--data-dir` is `ETCD_DATA_DIR`). A flag given
 on the command line wins over the variable. Durations are Go-style (`500ms`, `5s`,
-`1m30s`); lists are comma-separated.
+`1m30s`, `1.5h`: the text a queue's `ack_deadline` takes too); lists are comma-separated.
 
 | flag | variable | default | what it does |
 |---|---|---|---|

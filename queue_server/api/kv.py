@@ -1,8 +1,9 @@
 """The etcdserverpb.KV service: Range, Put, DeleteRange, Txn, Compact.
 
-Every handler has etcd's four steps: validate (stateless checks), call the core
-(a read on the state machine, or a proposal through the log), turn a core error into
-etcd's status, fill the header.
+Every handler has etcd's four steps: validate (stateless checks: etcd's, then
+the queue keyspace's of what a put writes), call the core (a read on the state
+machine, or a proposal through the log), turn a core error into etcd's status,
+fill the header.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
     async def Put(self, request: rpc_pb2.PutRequest, context: Context) -> rpc_pb2.PutResponse:
         try:
             validation.check_put(request)
+            self.state.router.check_write(request.key, request.value)
         except EtcdError as e:
             await abort(context, e)
         # Stamped with this member's clock: a put on a producer key is a message
@@ -71,6 +73,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
     async def Txn(self, request: rpc_pb2.TxnRequest, context: Context) -> rpc_pb2.TxnResponse:
         try:
             validation.check_txn(request, self.max_txn_ops)
+            validation.check_txn_puts(request, self.state.router.check_write)
             if is_read_only(request):
                 await self.log.linearize()
                 resp = self.state.read_txn(request)

@@ -7,6 +7,12 @@ the writer asks the hub to catch the stream's lagging watchers up from history.
 While the outbox is backlogged (a client sending requests faster than it reads
 their answers) the reader stops reading, so HTTP/2 flow control holds the client
 back instead of the server queueing answers without bound.
+
+A watch create is checked before the hub sees it, as etcd checks permissions:
+a user who may not read the range, or a malformed queue consumer key (a range
+on a consumer key, an empty or non-UUID consumer id, the other spelling's word;
+`keyspace/grammar.py`), is answered created and canceled at once with the
+reason, and the stream stays open.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ from collections.abc import AsyncIterator, Callable
 from etcdserverpb import rpc_pb2, rpc_pb2_grpc
 from queue_server.api.header import HeaderFiller
 from queue_server.auth.errors import PermissionDenied
+from queue_server.keyspace import grammar
 from queue_server.transport.methods import Call
-from queue_server.watch.hub import WatchHub, WatchStream
+from queue_server.watch.hub import PROGRESS_WATCH_ID, WatchHub, WatchStream
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +97,23 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
                 await room.wait()
             kind = req.WhichOneof("request_union")
             if kind == "create_request":
-                if permitted is not None and not permitted(context, req.create_request):
-                    stream.push(_refused(req.create_request, hub.store.revision))
+                create = req.create_request
+                if permitted is not None and not permitted(context, create):
+                    reason = PermissionDenied.message
+                    stream.push(_refused(create.watch_id, hub.store.revision, reason))
+                elif (problem := grammar.watch_problem(create.key, create.range_end)) is not None:
+                    reason = grammar.malformed(create.key, problem).text
+                    log.warning(
+                        "queue watch refused key=%r range_end=%r reason=%r",
+                        grammar.show(create.key),
+                        grammar.show(create.range_end),
+                        problem,
+                    )
+                    # -1, as etcd answers a watch its mvcc layer refuses: the
+                    # request's id (0: "any") could name a live watch of the stream
+                    stream.push(_refused(PROGRESS_WATCH_ID, hub.store.revision, reason))
                 else:
-                    hub.create(stream, req.create_request)
+                    hub.create(stream, create)
             elif kind == "cancel_request":
                 hub.cancel(stream, req.cancel_request.watch_id)
             elif kind == "progress_request":
@@ -144,14 +164,16 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
             await wake.wait()
 
 
-def _refused(request: rpc_pb2.WatchCreateRequest, revision: int) -> rpc_pb2.WatchResponse:
-    """etcd 3.5's answer to a watch the user may not read: created and canceled at
-    once, with the request's watch id; the stream stays open."""
+def _refused(watch_id: int, revision: int, reason: str) -> rpc_pb2.WatchResponse:
+    """etcd 3.5's answer to a watch create it refuses: created and canceled at
+    once, with the reason; the stream stays open. etcd gives the request's
+    watch id to a watch the user may not read, and -1 to one its mvcc layer
+    refuses."""
     response = rpc_pb2.WatchResponse(
-        watch_id=request.watch_id,
+        watch_id=watch_id,
         created=True,
         canceled=True,
-        cancel_reason=PermissionDenied.message,
+        cancel_reason=reason,
     )
     response.header.revision = revision
     return response

@@ -42,7 +42,7 @@ from etcdserverpb import cqs_pb2, internal_pb2
 from queue_server.cqs.tree import DEFAULT_DEPTH, Record, SlaQueue
 from queue_server.errors import EtcdError
 from queue_server.keyspace import grammar as keys
-from queue_server.keyspace.config import QueueConfig, invalid
+from queue_server.keyspace.config import ConfigFields, QueueConfig
 from queue_server.keyspace.grammar import QueueKey
 from queue_server.mvcc.store import Event, KeyValue, MVCCStore
 
@@ -50,6 +50,10 @@ DTO_QUEUE_PREFIX = b"dto:"
 """Queues named `dto:{dto_type}` are publication points, not queues."""
 MAX_DEPTH = 32
 """The largest `depth` a queue may be created with."""
+
+DEFAULT_PREFETCH = 8
+"""Notifications one etcd watch consumer may hold when the `cqs` object does
+not say."""
 
 
 class QueueNotFound(EtcdError):
@@ -86,41 +90,44 @@ class CqsQueue:
     name: str
     subscriptions: list[tuple[str, str]]
     tree: SlaQueue
-    prefetch: int = 8  # for etcd watch consumers
+    prefetch: int = DEFAULT_PREFETCH  # for etcd watch consumers
 
     @property
     def depth(self) -> int:
         return self.tree.depth
 
 
-def parse_cqs_config(raw: object) -> tuple[list[tuple[str, str]], int, int]:
-    """(subscriptions, depth, prefetch) of a config's `cqs` object; ValueError if bad."""
-    if not isinstance(raw, dict):
-        raise ValueError("cqs must be a JSON object")
-    unknown = set(raw) - {"subscriptions", "depth", "prefetch"}
-    if unknown:
-        raise ValueError(f"unknown cqs setting {sorted(unknown)[0]!r}")
-    subs = raw.get("subscriptions", [])
+def parse_cqs_config(fields: ConfigFields) -> tuple[list[tuple[str, str]], int, int] | None:
+    """(subscriptions, depth, prefetch) of a config's `cqs` object, None when it
+    has none; refuses a field outside its type or range (InvalidQueueConfig).
+
+    The schema: `subscriptions` a list of {"dto_type": non-empty string,
+    "alias_name": string}; `depth` an integer 0..MAX_DEPTH (0: DEFAULT_DEPTH);
+    `prefetch` an integer >= 1. No other field."""
+    cqs = fields.nested("cqs")
+    if cqs is None:
+        return None
+    cqs.only(("subscriptions", "depth", "prefetch"))
+    subs = cqs.raw.get("subscriptions", [])
     if not isinstance(subs, list):
-        raise ValueError("cqs.subscriptions must be a list")
+        raise cqs.refuse("subscriptions", subs, "is not a list")
     out: list[tuple[str, str]] = []
-    for s in subs:
-        if not isinstance(s, dict) or set(s) - {"dto_type", "alias_name"}:
-            raise ValueError("a subscription is {dto_type, alias_name?}")
-        dto_type, alias = s.get("dto_type", ""), s.get("alias_name", "")
-        if not isinstance(dto_type, str) or not dto_type or not isinstance(alias, str):
-            raise ValueError("a subscription needs a dto_type")
+    for i, sub in enumerate(subs):
+        where = f"subscriptions[{i}]"
+        if not isinstance(sub, dict) or set(sub) - {"dto_type", "alias_name"}:
+            raise cqs.refuse(where, sub, 'is not {"dto_type": ..., "alias_name": ...}')
+        dto_type, alias = sub.get("dto_type", ""), sub.get("alias_name", "")
+        if not isinstance(dto_type, str) or not dto_type:
+            raise cqs.refuse(f"{where}.dto_type", dto_type, "is not a non-empty string")
+        if not isinstance(alias, str):
+            raise cqs.refuse(f"{where}.alias_name", alias, "is not a string")
         if (dto_type, alias) not in out:
             out.append((dto_type, alias))
-    depth = raw.get("depth", DEFAULT_DEPTH)
-    prefetch = raw.get("prefetch", 8)
-    if not isinstance(depth, int) or not isinstance(prefetch, int):
-        raise ValueError("cqs.depth and cqs.prefetch are integers")
-    if depth == 0:
-        depth = DEFAULT_DEPTH
-    if not 1 <= depth <= MAX_DEPTH or prefetch < 1:
-        raise ValueError(f"cqs.depth is 1..{MAX_DEPTH} and cqs.prefetch at least 1")
-    return out, depth, prefetch
+    # Leniently (apply) true/false pass as 1/0, as apply always took them;
+    # strings and fractions never did.
+    depth = cqs.integer("depth", DEFAULT_DEPTH, minimum=0, maximum=MAX_DEPTH, coerced=False)
+    prefetch = cqs.integer("prefetch", DEFAULT_PREFETCH, minimum=1, coerced=False)
+    return out, depth or DEFAULT_DEPTH, prefetch
 
 
 TIMESTAMP_MIN_SECONDS = -62_135_596_800  # 0001-01-01T00:00:00Z
@@ -303,12 +310,8 @@ class CqsState:
 
     # -- configuration (follows /q/{name}/config) ---------------------------------
 
-    def check_config(self, name: bytes, config: QueueConfig) -> None:
-        if "cqs" in config:
-            try:
-                parse_cqs_config(config["cqs"])
-            except ValueError as e:
-                raise invalid(str(e)) from e
+    def check_config(self, key: bytes, config: QueueConfig, *, strict: bool) -> None:
+        parse_cqs_config(ConfigFields(key, config, strict))
 
     def configure(self, qk: QueueKey, config: QueueConfig | None) -> None:
         """A config key changed: a `cqs` object makes (or keeps) the queue a CQS
@@ -316,12 +319,13 @@ class CqsState:
         if qk.spelling != keys.SHORT:
             return
         name = qk.name.decode(errors="replace")
-        raw = None if config is None else config.get("cqs")
-        if raw is None:
+        key = keys.config_key(qk.spelling, qk.name)
+        parsed = None if config is None else parse_cqs_config(ConfigFields(key, config, False))
+        if parsed is None:
             if self.queues.pop(name, None) is not None:
                 self._reindex()
             return
-        subs, depth, prefetch = parse_cqs_config(raw)
+        subs, depth, prefetch = parsed
         q = self.queues.get(name)
         if q is None:
             q = self.queues[name] = CqsQueue(name, subs, SlaQueue(depth=depth))

@@ -14,7 +14,9 @@ own queues and publication points; the etcd-key queue takes the rest). The
 shared `/q/{name}/config` is parsed once and shown to every product.
 
 Everything here runs inside apply: deterministic, no clock (a command's time,
-`now_ms`, comes in the command), no I/O.
+`now_ms`, comes in the command), no I/O. The one exception is `check_write`,
+which the KV service calls before it proposes a put (the stateless checks: a
+malformed queue key, a config outside the schema), and which reads no state.
 """
 
 from __future__ import annotations
@@ -54,8 +56,10 @@ class QueuePlugin(Protocol):
         """Apply a produce: the key to write, or None when nothing is written."""
         ...
 
-    def check_config(self, name: bytes, config: QueueConfig) -> None:
-        """Refuse this product's fields of a config before anything changes."""
+    def check_config(self, key: bytes, config: QueueConfig, *, strict: bool) -> None:
+        """Refuse this product's fields of the config at `key`: by the schema
+        (`strict`, before a put is proposed) or as apply reads them, before
+        anything changes (keyspace/config.py)."""
         ...
 
     def configure(self, qk: QueueKey, config: QueueConfig | None) -> None:
@@ -131,6 +135,22 @@ class KeyspaceRouter:
         qk = grammar.parse(key) if key.startswith(grammar.PREFIXES) else None
         return qk if qk is not None and qk.kind == "consume" else None
 
+    # -- before proposing -----------------------------------------------------
+
+    def check_write(self, key: bytes, value: bytes) -> None:
+        """The checks of a put that need no state, made by the KV service before
+        it proposes (a Txn's puts in every branch): a malformed queue key, and a
+        config outside the products' schemas. Reads nothing of the state, so it
+        may run outside apply."""
+        if not key.startswith(grammar.PREFIXES):
+            return
+        grammar.check_put(key)
+        qk = grammar.parse(key)  # not self.parse: its cache belongs to apply
+        if qk is not None and qk.kind == "config":
+            config = parse_config(key, value, self.config_fields)
+            for plugin in self.plugins:
+                plugin.check_config(key, config, strict=True)
+
     # -- the KV executor's hooks ----------------------------------------------
 
     def begin_command(self, now_ms: int) -> None:
@@ -152,9 +172,9 @@ class KeyspaceRouter:
         if qk.kind == "produce":
             self.owner(qk).check_produce(qk, value)
         elif qk.kind == "config":
-            config = parse_config(value, self.config_fields)
+            config = parse_config(key, value, self.config_fields)
             for plugin in self.plugins:
-                plugin.check_config(qk.name, config)
+                plugin.check_config(key, config, strict=False)
 
     def route_put(self, key: bytes, value: bytes) -> bytes | None:
         """The key a put writes (None: consumed, nothing written)."""
@@ -200,7 +220,7 @@ class KeyspaceRouter:
                 self._owners.clear()
                 config: Mapping[str, object] | None = None
                 if not e.is_delete:
-                    config = parse_config(e.kv.value, self.config_fields)
+                    config = parse_config(e.kv.key, e.kv.value, self.config_fields)
                 for plugin in self.plugins:
                     plugin.configure(qk, config)
             else:

@@ -5,11 +5,15 @@ These are etcd's v3rpc checks (`checkRangeRequest`, `checkPutRequest`,
 request etcd refuses up front is refused here up front and never reaches the log.
 Checks that need state (does the lease exist, is the revision compacted) belong to
 `queue_server.kv.executor`, at apply time.
+
+After etcd's checks, the caller may add its own stateless checks of what a
+request writes (`check_txn_puts`): the API layer checks queue keys and queue
+configs this way, so a malformed one is refused before it is proposed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from etcdserverpb import rpc_pb2
 from queue_server.errors import (
@@ -46,6 +50,21 @@ def check_txn(r: rpc_pb2.TxnRequest, max_txn_ops: int) -> None:
     _check_txn_ops(r, max_txn_ops)
     _check_intervals(r.success)
     _check_intervals(r.failure)
+
+
+PutCheck = Callable[[bytes, bytes], None]
+"""A stateless check of a put's key and value; raises an EtcdError to refuse it."""
+
+
+def check_txn_puts(r: rpc_pb2.TxnRequest, check: PutCheck) -> None:
+    """Run `check` on every put of `r`, in both branches and in nested txns,
+    so a txn is refused whole whichever branch its compares would choose."""
+    for op in (*r.success, *r.failure):
+        kind = op.WhichOneof("request")
+        if kind == "request_put":
+            check(op.request_put.key, op.request_put.value)
+        elif kind == "request_txn":
+            check_txn_puts(op.request_txn, check)
 
 
 def _check_txn_ops(r: rpc_pb2.TxnRequest, max_txn_ops: int) -> None:

@@ -32,8 +32,6 @@ node's (`delivery.py`, `ack_policy.py`, `node/consumers.py`).
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +39,7 @@ from sortedcontainers import SortedDict
 
 from queue_server.errors import EtcdError
 from queue_server.keyspace import grammar as keys
-from queue_server.keyspace.config import QueueConfig, invalid, parse_config
+from queue_server.keyspace.config import ConfigFields, QueueConfig, parse_config
 from queue_server.keyspace.grammar import QueueKey
 from queue_server.mvcc.store import Event, MVCCStore
 
@@ -66,7 +64,13 @@ MAX_ACK_DEADLINE = 9_000_000_000
 
 @dataclass(slots=True)
 class QueueSettings:
-    """Per-queue settings, from the JSON value of `/q/{name}/config`."""
+    """Per-queue settings, from the JSON value of `/q/{name}/config`.
+
+    The schema (docs/queue.md, "Settings"): `prefetch` an integer >= 1,
+    `max_deliveries` and `max_depth` integers >= 0, `ack_deadline` a duration
+    ("30s", "1m30s" or a number of seconds) up to `MAX_ACK_DEADLINE`,
+    `dead_letter` one key segment. `keyspace/config.py` says how a field is
+    read strictly (before a put is proposed) or leniently (in apply)."""
 
     ack_deadline: float = (
         DEFAULT_ACK_DEADLINE  # seconds a delivery may stay unacknowledged; 0: forever
@@ -79,32 +83,23 @@ class QueueSettings:
     FIELDS = frozenset({"ack_deadline", "max_deliveries", "dead_letter", "prefetch", "max_depth"})
 
     @classmethod
-    def parse(cls, value: bytes) -> QueueSettings:
-        """The settings of a config value alone (its other fields ignored)."""
-        return cls.of(parse_config(value))
+    def parse(cls, value: bytes, key: bytes = b"/q/{name}/config") -> QueueSettings:
+        """The settings of a config value alone (its other fields ignored), read
+        as apply reads them; `key` is where it is, for messages."""
+        return cls.of(ConfigFields(key, parse_config(key, value), strict=False))
 
     @classmethod
-    def of(cls, raw: Mapping[str, object]) -> QueueSettings:
-        """The etcd-key queue's fields of a parsed config."""
-        s = cls()
-        try:
-            s.ack_deadline = float(raw.get("ack_deadline", DEFAULT_ACK_DEADLINE))  # type: ignore[arg-type]
-            s.max_deliveries = int(raw.get("max_deliveries", 0))  # type: ignore[call-overload]
-            s.dead_letter = str(raw.get("dead_letter", "")).encode()
-            s.prefetch = int(raw.get("prefetch", DEFAULT_PREFETCH))  # type: ignore[call-overload]
-            s.max_depth = int(raw.get("max_depth", 0))  # type: ignore[call-overload]
-        except (TypeError, ValueError, OverflowError) as e:
-            # OverflowError: JSON's Infinity (Python's json reads it) as an int.
-            # Uncaught, it escaped apply, and replaying the entry stopped restarts.
-            raise invalid(str(e)) from e
-        if not (math.isfinite(s.ack_deadline) and s.ack_deadline <= MAX_ACK_DEADLINE):
-            # A delivery's ack deadline is a lease TTL to clients (LeaseKeepAlive
-            # answers it), so it has a lease's bounds.
-            raise invalid(f"ack_deadline is not a number of seconds up to {MAX_ACK_DEADLINE}")
-        if s.ack_deadline < 0 or s.max_deliveries < 0 or s.prefetch < 1 or s.max_depth < 0:
-            raise invalid("negative or zero limit")
-        if b"/" in s.dead_letter:
-            raise invalid("dead_letter is one segment")
+    def of(cls, fields: ConfigFields) -> QueueSettings:
+        """The etcd-key queue's fields of a parsed config; refuses a field
+        outside its type or range (an InvalidQueueConfig naming it)."""
+        s = cls()  # absent fields keep the dataclass's defaults
+        # A delivery's ack deadline is a lease TTL to clients (LeaseKeepAlive
+        # answers it), so it has a lease's bounds.
+        s.ack_deadline = fields.duration("ack_deadline", s.ack_deadline, MAX_ACK_DEADLINE)
+        s.max_deliveries = fields.integer("max_deliveries", s.max_deliveries, minimum=0)
+        s.dead_letter = fields.segment("dead_letter", "").encode()
+        s.prefetch = fields.integer("prefetch", s.prefetch, minimum=1)
+        s.max_depth = fields.integer("max_depth", s.max_depth, minimum=0)
         return s
 
 
@@ -241,12 +236,16 @@ class QueueState:
         q.next_idx += 1
         return keys.message_key(q.spelling, q.name, idx, qk.key)
 
-    def check_config(self, name: bytes, config: QueueConfig) -> None:
-        QueueSettings.of(config)
+    def check_config(self, key: bytes, config: QueueConfig, *, strict: bool) -> None:
+        QueueSettings.of(ConfigFields(key, config, strict))
 
     def configure(self, qk: QueueKey, config: QueueConfig | None) -> None:
         q = self._queue(qk.name, qk.spelling)
-        q.settings = QueueSettings() if config is None else QueueSettings.of(config)
+        if config is None:
+            q.settings = QueueSettings()
+        else:
+            key = keys.config_key(qk.spelling, qk.name)
+            q.settings = QueueSettings.of(ConfigFields(key, config, strict=False))
         self._dirty.add(q)
 
     def delete(self, qk: QueueKey, key: bytes, now_ms: int) -> bytes:
@@ -475,7 +474,9 @@ class QueueState:
                 if qk.kind == "message":
                     self._queue(qk.name, qk.spelling).pending[qk.idx] = kv.key
                 elif qk.kind == "config":
-                    self._queue(qk.name, qk.spelling).settings = QueueSettings.parse(kv.value)
+                    self._queue(qk.name, qk.spelling).settings = QueueSettings.parse(
+                        kv.value, kv.key
+                    )
         for name, consumers in held.items():
             q = self.queues[name]
             for consumer_id, node, idxs in consumers:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -99,11 +98,12 @@ class ConsumerDirectory:
         """A new watch on exactly `watcher.key`: True if it is a queue consumer,
         which gets deliveries from now on instead of key events."""
         qk = self.router.consumer_key(watcher.key)
-        if qk is None:
+        if qk is None or not keys.valid_consumer_id(qk.consumer):
+            # The Watch service refuses a consumer key whose id is not a UUID
+            # before the hub sees it; a watch made here some other way (no
+            # client's) stays an ordinary watch.
             return False
-        consumer_id = (
-            qk.consumer if keys.valid_consumer_id(qk.consumer) else str(uuid.uuid4()).encode()
-        )
+        consumer_id = qk.consumer
         if self._is_cqs(qk):
             spelling = keys.SHORT
             self.cqs_view.register(watcher, qk.name.decode(), consumer_id)

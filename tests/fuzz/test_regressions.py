@@ -106,7 +106,7 @@ def test_queue_config_with_non_finite_or_huge_numbers_is_refused(
     with pytest.raises(grpc.RpcError) as err:
         kv.Put(rpc_pb2.PutRequest(key=b"/q/cfgq/config", value=config), timeout=5)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert (err.value.details() or "").startswith("etcdserver: invalid queue config: ")
+    assert (err.value.details() or "").startswith("etcdserver: queue config /q/cfgq/config: ")
 
 
 def test_restart_after_a_refused_queue_config(tmp_path: Path) -> None:

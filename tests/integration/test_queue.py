@@ -86,13 +86,19 @@ class WatchStream:
         return resp
 
     def watch(self, key: bytes, range_end: bytes = b"", start_revision: int = 0) -> int:
-        create = rpc_pb2.WatchCreateRequest(
-            key=key, range_end=range_end, start_revision=start_revision
-        )
-        self._requests.put(rpc_pb2.WatchRequest(create_request=create))
-        resp = self.next()
+        resp = self.create(key, range_end, start_revision)
         assert resp.created and not resp.canceled, resp
         return int(resp.watch_id)
+
+    def create(
+        self, key: bytes, range_end: bytes = b"", start_revision: int = 0, watch_id: int = 0
+    ) -> rpc_pb2.WatchResponse:
+        """Send a watch create; returns its answer (created, or refused)."""
+        create = rpc_pb2.WatchCreateRequest(
+            key=key, range_end=range_end, start_revision=start_revision, watch_id=watch_id
+        )
+        self._requests.put(rpc_pb2.WatchRequest(create_request=create))
+        return self.next()
 
     def cancel(self, watch_id: int) -> list[kv_pb2.Event]:
         """Cancel a watch; returns the events that arrived before the cancel answer."""
@@ -208,12 +214,16 @@ def await_deleted(channel: grpc.Channel, key: bytes) -> None:
     resp = kv.Range(rpc_pb2.RangeRequest(key=key), timeout=WAIT)
     if not resp.kvs:
         return
+    # the keys beside `key` (a range on a consumer key itself is refused)
+    parent = key[: key.rindex(b"/") + 1]
     stream = WatchStream(channel)
     try:
-        # a range covering only `key`: an ordinary watch even on a consumer key
-        stream.watch(key, key + b"\0", start_revision=resp.header.revision + 1)
-        (event,) = stream.events(1)
-        assert (event.type, event.kv.key) == (DELETE, key)
+        stream.watch(parent, prefix_end(parent), start_revision=resp.header.revision + 1)
+        deadline = time.monotonic() + WAIT
+        seen: list[tuple[int, bytes]] = []
+        while (DELETE, key) not in seen:
+            events = stream.next(max(0.0, deadline - time.monotonic())).events
+            seen.extend((e.type, e.kv.key) for e in events)
     finally:
         stream.close()
 
@@ -365,17 +375,20 @@ def test_registry_keys_and_range_watches_get_no_deliveries(
     server: ServerProcess, channel: grpc.Channel, kv: rpc_pb2_grpc.KVStub
 ) -> None:
     """The server maintains `/q/{name}` and `/q/{name}/c/{uuid}` (value: its node
-    name); a range watch over consumer keys is an ordinary watch: it sees those
-    registry writes, never a delivery."""
+    name); a range watch over a queue's consumer keys is an ordinary watch: it
+    sees those registry writes, never a delivery. A range watch starting at one
+    consumer key is refused (issue 17: it used to consume nothing, silently)."""
     name = b"registry"
     node = server.data_dir.name.encode()
     consumer = new_id()
     ckey = consumer_key(name, consumer)
-    marker = ckey + b"/marker"  # an ordinary key inside both ranges below
+    marker = ckey + b"/marker"  # an ordinary key inside the range below
 
     ranges = WatchStream(channel)
     all_consumers = ranges.watch(b"/q/registry/c/", prefix_end(b"/q/registry/c/"))
-    this_prefix = ranges.watch(ckey, prefix_end(ckey))
+    refused = ranges.create(ckey, prefix_end(ckey))
+    assert refused.created and refused.canceled, refused
+    assert refused.cancel_reason.startswith(f"etcdserver: queue key {ckey.decode()}: ")
     registry = WatchStream(channel)
     registry.watch(b"/q/registry")  # an ordinary key: the registry is not a consume key
     stream = WatchStream(channel)
@@ -389,13 +402,13 @@ def test_registry_keys_and_range_watches_get_no_deliveries(
         (delivery,) = stream.events(1)
         kv.Put(rpc_pb2.PutRequest(key=marker, value=b"x"), timeout=WAIT)
 
-        seen: dict[int, list[tuple[int, bytes]]] = {all_consumers: [], this_prefix: []}
+        seen: list[tuple[int, bytes]] = []
         deadline = time.monotonic() + WAIT
-        while any((PUT, marker) not in s for s in seen.values()):
+        while (PUT, marker) not in seen:
             resp = ranges.next(max(0.0, deadline - time.monotonic()))
-            seen[resp.watch_id].extend((e.type, e.kv.key) for e in resp.events)
-        for events in seen.values():
-            assert sorted(events) == [(PUT, ckey), (PUT, marker)]
+            assert resp.watch_id == all_consumers
+            seen.extend((e.type, e.kv.key) for e in resp.events)
+        assert sorted(seen) == [(PUT, ckey), (PUT, marker)]
         assert get(kv, ckey) == node
 
         assert ack(kv, delivery.kv.key) == 1
@@ -420,7 +433,7 @@ def test_second_watch_on_a_consumer_key_keeps_the_registry_key(
     ckey = consumer_key(name, consumer)
     marker = ckey + b"/marker"
     observer = WatchStream(channel)
-    observer.watch(ckey, prefix_end(ckey))
+    observer.watch(b"/q/reconnect/c/", prefix_end(b"/q/reconnect/c/"))
     old, new = WatchStream(channel), WatchStream(channel)
     try:
         old_id = old.watch(ckey)
@@ -441,18 +454,28 @@ def test_second_watch_on_a_consumer_key_keeps_the_registry_key(
         observer.close()
 
 
-def test_consumer_key_without_uuid_gets_a_server_made_id(
+def test_consumer_key_without_a_uuid_is_refused(
     channel: grpc.Channel, kv: rpc_pb2_grpc.KVStub
 ) -> None:
+    """A consumer id must be a UUID (issue 17: the server used to make one up,
+    so the registry named a consumer the client did not know). The watch is
+    answered created and canceled with the reason, the stream stays usable,
+    and nothing is registered."""
     observer = WatchStream(channel)
-    observer.watch(b"/q/nouuid/c/", prefix_end(b"/q/nouuid/c/"))
+    observer.watch(b"/q/nouuid/", prefix_end(b"/q/nouuid/"))
     stream = WatchStream(channel)
     try:
-        stream.watch(b"/q/nouuid/c/worker-1")
+        refused = stream.create(b"/q/nouuid/c/worker-1", watch_id=7)
+        assert (refused.created, refused.canceled, refused.watch_id) == (True, True, -1)
+        assert refused.cancel_reason == (
+            'etcdserver: queue key /q/nouuid/c/worker-1: consumer id "worker-1" is not a UUID'
+        )
+        # the same stream still consumes with a UUID; the observer's first event
+        # is that consumer's registry key, so the refused one wrote nothing
+        consumer = new_id()
+        stream.watch(consumer_key(b"nouuid", consumer))
         (reg,) = observer.events(1)
-        made = reg.kv.key.rsplit(b"/", 1)[1]
-        assert made != b"worker-1"
-        uuid.UUID(made.decode())
+        assert (reg.type, reg.kv.key) == (PUT, consumer_key(b"nouuid", consumer))
         produce(kv, b"nouuid", b"m")
         (delivery,) = stream.events(1)
         assert suffix_of(delivery.kv.key) == b"m"
@@ -638,7 +661,7 @@ def test_invalid_config_is_refused(kv: rpc_pb2_grpc.KVStub, value: bytes) -> Non
     with pytest.raises(grpc.RpcError) as err:
         kv.Put(rpc_pb2.PutRequest(key=key, value=value), timeout=WAIT)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "invalid queue config" in (err.value.details() or "")
+    assert (err.value.details() or "").startswith("etcdserver: queue config /q/settings/config: ")
     assert get(kv, key) == good
     # inside a Txn the whole Txn is refused
     ordinary = b"/settings-txn/" + value.hex().encode()
