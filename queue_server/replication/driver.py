@@ -74,7 +74,7 @@ from queue_server.replication.storage import (
     encode_hard_state,
 )
 from queue_server.storage import snapshot as snapshot_format
-from queue_server.storage.local_log import ENTRY_HEADER_BYTES, MAX_UNAPPLIED
+from queue_server.storage.local_log import MAX_UNAPPLIED, too_large
 from raft.core import NotLeader, ProposalDropped, RaftCore, Ready, Role
 from raft.messages import (
     ConfChange,
@@ -265,7 +265,7 @@ class ClusterLog:
         if len(self._waiters) >= MAX_UNAPPLIED:
             raise TooManyRequests()
         data = command.SerializeToString()
-        if len(data) + ENTRY_HEADER_BYTES > self.max_request_bytes:
+        if too_large(command, data, self.max_request_bytes):
             raise RequestTooLarge()
         request = peer_pb2.Request()
         request.propose.command = data

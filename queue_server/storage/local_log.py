@@ -61,6 +61,23 @@ which carries a request header our log entry has not (field 100 holding a 64-bit
 request id: 13 or 14 bytes, depending on the id's top bit); counting it keeps our
 limit within a byte of etcd's, never above it."""
 
+
+
+def too_large(command: internal_pb2.Command, payload: bytes, max_request_bytes: int) -> bool:
+    """etcd's --max-request-bytes check on a log entry: the request as etcd would
+    log it (ENTRY_HEADER_BYTES more), without the proposer's clock stamp, which
+    etcd's entries do not carry (a request at etcd's limit fits ours)."""
+    size = len(payload) + ENTRY_HEADER_BYTES
+    if command.now_ms:
+        size -= 1 + _varint_len(command.now_ms)  # field 14's tag is one byte
+    return size > max_request_bytes
+
+
+def _varint_len(value: int) -> int:
+    value &= (1 << 64) - 1  # an int64 is encoded as its 64-bit two's complement
+    return max(1, (value.bit_length() + 6) // 7)
+
+
 INLINE_BATCH = 1
 """A batch this small is written and fsynced on the event loop itself: the loop
 has nothing else waiting, and two thread hand-offs cost more than the fsync
@@ -177,7 +194,7 @@ class LocalLog:
         if self._next_index - self.state_machine.applied_index >= MAX_UNAPPLIED:
             raise TooManyRequests()
         payload = command.SerializeToString()
-        if len(payload) + ENTRY_HEADER_BYTES > self.max_request_bytes:
+        if too_large(command, payload, self.max_request_bytes):
             raise RequestTooLarge()
         loop = asyncio.get_running_loop()
         self._next_index += 1
