@@ -22,11 +22,23 @@ from queue_server.server import Server, StartupError
 
 
 async def serve(server: Server) -> None:
-    """Start, then serve until SIGTERM or SIGINT, then stop gracefully."""
+    """Start, then serve until SIGTERM or SIGINT, then stop gracefully. From the
+    first signal on, the signals have their default action again: a second one
+    ends the process at once, as etcd's does (every acknowledged write is on
+    disk already; the next start recovers as after a crash)."""
     stop = asyncio.Event()
+    received: list[signal.Signals] = []
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig)
+        for s in STOP_SIGNALS:
+            loop.remove_signal_handler(s)
+            signal.signal(s, signal.SIG_DFL)
+        stop.set()
+
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         await server.start()
     except BaseException:
@@ -38,8 +50,13 @@ async def serve(server: Server) -> None:
     signalled.cancel()
     failed.cancel()
     if server.failed is None:
-        logging.getLogger(__name__).info("received signal, stopping")
+        logging.getLogger(__name__).info(
+            "received signal, stopping (a second one exits at once) signal=%s", received[0].name
+        )
     await server.stop()
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
