@@ -716,6 +716,13 @@ class GrpcConnection(asyncio.Protocol):
         self.h2.goaway(ErrorCode.NO_ERROR)
         self._flush()
 
+    @property
+    def serving(self) -> bool:
+        """Whether a call is still running (output waiting for window aside)."""
+        if self.http is not None:
+            return not self.idle.is_set()
+        return bool(self.calls)
+
     def end_calls(self, waiting_only: bool) -> None:
         """A stop: end calls in flight with UNAVAILABLE (`stopped_message`) and
         cancel their handlers. With `waiting_only`, only the calls that wait on

@@ -76,7 +76,7 @@ class NativeServer:
         for conn in list(self.connections):
             conn.drain()
             conn.end_calls(waiting_only=True)
-        busy = [c for c in self.connections if not c.idle.is_set()]
+        busy = [c for c in self.connections if c.serving]
         if grace > 0 and busy:
             waits = [asyncio.ensure_future(c.idle.wait()) for c in busy]
             _, pending = await asyncio.wait(waits, timeout=grace)
