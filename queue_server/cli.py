@@ -15,10 +15,13 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from queue_server import logs, restore
 from queue_server.config import ConfigError, parse_config
-from queue_server.server import Server, StartupError
+
+if TYPE_CHECKING:
+    from queue_server.server import Server
 
 
 async def serve(server: Server) -> None:
@@ -89,7 +92,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"queue-server: {e}", file=sys.stderr)
         return 1
+    native = logs.NativeStderr()
+    if config.grpc_transport == "grpcio":
+        native.start()  # grpc's C-core logs become our records
     logs.configure(config.log_level, config.log_format)
+    logs.set_grpc_verbosity(config.log_level)
+    # grpc reads GRPC_VERBOSITY when first imported: the server imports it
+    from queue_server.server import Server, StartupError
+
     gc.set_threshold(*GC_THRESHOLDS)
     sys.setswitchinterval(GIL_SWITCH_SECONDS)
     server = Server(config)
@@ -97,8 +107,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         with asyncio.Runner(loop_factory=_new_loop) as runner:
             runner.run(serve(server))
     except StartupError as e:
+        native.stop()
         print(f"queue-server: {e}", file=sys.stderr)
         return 1
+    finally:
+        native.stop()
     if server.failed is not None:  # fail-stop: the log line said why
         print(f"queue-server: stopped: {server.failed}", file=sys.stderr)
         return 1
