@@ -128,7 +128,9 @@ class NativeStderr:
         read_fd, write_fd = os.pipe()
         os.dup2(write_fd, 2)
         os.close(write_fd)
-        real: TextIO = open(self._saved, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives as long as the process
+        # Python's own writes (tracebacks, the CLI's last words) skip the pipe;
+        # the stream lives as long as the process.
+        real: TextIO = open(self._saved, "w", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = real
         self._thread = threading.Thread(
             target=self._pump, args=(read_fd,), name="native-stderr", daemon=True

@@ -2,10 +2,11 @@
 
 `Server.start()` takes the data directory (one process per directory, enforced by
 a lock), recovers the state from snapshot + log, binds the client URLs and starts
-serving; `Server.stop()` stops accepting calls, ends watches, keepalive streams and long polls with
-etcd's UNAVAILABLE "etcdserver: server stopped" at once and other calls in flight
-after a short grace, lets its own bookkeeping writes through, flushes and closes
-the log and releases the directory. The `stopped` line is the last one logged.
+serving; `Server.stop()` stops accepting calls, ends watches, keepalive streams
+and long polls at once with etcd's UNAVAILABLE "etcdserver: server stopped" and
+other calls in flight after a short grace, lets its own bookkeeping writes
+through, flushes and closes the log and releases the directory. The `stopped`
+line is the last one logged.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ SHUTDOWN_GRACE_SECONDS = 0.5
 """How long the unary calls in flight at a stop may take to finish before they
 are ended with UNAVAILABLE. A write waits for one fsync (milliseconds); one
 that waits longer waits for a leader, which a stopping member will not see.
-Watches, keepalive streams and long polls are ended at once (`NativeServer.stop`)."""
+Watches, keepalive streams and long polls end at once (`NativeServer.stop`)."""
 BACKGROUND_GRACE_SECONDS = 0.25
 """How long a stop lets the node's own bookkeeping writes (the messages of the
 consumers it just disconnected, given back to their queues) go through the log
@@ -751,9 +752,9 @@ class Server:
         log.debug("lease expired lease=%x", lease_id)
 
     async def stop(self, grace: float = SHUTDOWN_GRACE_SECONDS) -> None:
-        """Stop serving: watches, keepalive streams and long polls end at once, other calls in
-        flight get `grace` seconds; then the background writes, then the log is
-        flushed and closed. Logs `stopped` last."""
+        """Stop serving: watches, keepalive streams and long polls end at once,
+        other calls in flight get `grace` seconds; then the background writes,
+        then the log is flushed and closed. Logs `stopped` last."""
         if self.health is not None:
             await self.health.stop()
         for task in self._tasks:

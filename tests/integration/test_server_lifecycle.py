@@ -5,6 +5,8 @@ both transports, and as a cluster member), and a second signal that exits at onc
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import signal
 import socket
@@ -404,3 +406,26 @@ def test_a_second_signal_during_a_stop_exits_at_once(tmp_path: Path) -> None:
         ]
     finally:
         srv.stop()
+
+
+def test_a_gateway_watch_ends_with_the_stopped_error_line(tmp_path: Path) -> None:
+    """etcd's HTTP/JSON gateway on the client port: a streamed watch answered
+    already ends with grpc-gateway's error line, and the stop is as fast."""
+    srv = ServerProcess(tmp_path / "g.etcd").start()
+    assert srv.proc is not None
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=WAIT)
+    try:
+        conn.request("POST", "/v3/watch", body=b'{"create_request": {"key": "dw=="}}')
+        answer = conn.getresponse()
+        assert answer.status == 200
+        assert json.loads(answer.readline())["result"]["created"] is True
+        status, took = signal_and_time(srv.proc, signal.SIGTERM)
+        last = json.loads(answer.readline())
+        assert answer.read() == b""  # and the answer ends
+    finally:
+        conn.close()
+    assert status == 0
+    assert took < STOP_BUDGET, f"the stop took {took:.2f}s"
+    assert last["error"]["grpc_code"] == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert last["error"]["message"] == STOPPED
+    assert_stopped_last(srv.log_text())
