@@ -134,6 +134,9 @@ async def stop_grpcio(server: aio.Server, calls: ServedCalls, grace: float, flus
     seconds, all with UNAVAILABLE `calls.stopped_message`; whatever grpcio still
     holds `flush` seconds later is cancelled by grpcio itself."""
     stopping = asyncio.ensure_future(server.stop(grace + flush))
+    # One turn of the loop: grpcio's stop refuses new calls (GOAWAY) before it
+    # first waits, so a client that retries at once cannot open a new watch.
+    await asyncio.sleep(0)
     calls.end(waiting_only=True)
     await asyncio.wait({stopping}, timeout=grace)
     calls.end(waiting_only=False)

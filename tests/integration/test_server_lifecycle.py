@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -276,6 +277,7 @@ def assert_stopped_last(log_text: str) -> None:
     assert "stopped name=" in lines[-1], f"logged after the stopped line: {lines[-3:]}"
 
 
+@pytest.mark.skipif(shutil.which("etcdctl") is None, reason="etcdctl is not installed")
 @pytest.mark.parametrize("transport", ["native", "grpcio"])
 def test_sigterm_with_streams_and_long_polls_open_stops_at_once(
     tmp_path: Path, transport: str
@@ -291,13 +293,26 @@ def test_sigterm_with_streams_and_long_polls_open_stops_at_once(
         ],
     ).start()
     assert srv.proc is not None
-    calls = OpenCalls(srv.endpoint, f"127.0.0.1:{metrics_port}").open()
+    metrics = f"127.0.0.1:{metrics_port}"
+    etcdctl = subprocess.Popen(  # a real etcd client's watch, which retries on UNAVAILABLE
+        ["etcdctl", f"--endpoints={srv.endpoint}", "watch", "w"],
+        env={**os.environ, "ETCDCTL_API": "3"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    calls = OpenCalls(srv.endpoint, metrics).open()
     try:
+        deadline = time.monotonic() + WAIT
+        while metric(metrics, "grpc_server_started_total", "Watch") < 2:
+            assert time.monotonic() < deadline, "etcdctl's watch did not reach the server"
+            time.sleep(0.02)  # poll the server's counter, bounded
         acked = put_and_get(srv.endpoint, b"acked", b"before the stop")
         status, took = signal_and_time(srv.proc, signal.SIGTERM)
         endings = calls.endings()
     finally:
         calls.close()
+        etcdctl.kill()
+        etcdctl.wait(timeout=WAIT)
     assert status == 0
     assert took < STOP_BUDGET, f"the stop took {took:.2f}s"
     unavailable = (grpc.StatusCode.UNAVAILABLE, STOPPED)
