@@ -48,7 +48,7 @@ with no I/O, is a library beside the package and imports nothing from it.
                 permissions and tokens; the alarm table.
 - `mvcc/`       revisions, per-key history, tombstones, compaction. No I/O.
 - `errors.py`, `logs.py` the etcd errors the core reports (wire code and text);
-                console or JSON log lines.
+                console or JSON log lines (grpc C-core's stderr lines too).
 - `transport/`  the native gRPC server: HTTP/2 frames (`h2.py`, no I/O), calls on
                 a connection, the method table and the `Call` interface, and the
                 HTTP/1.1 JSON gateway on the same port (`gateway.py`). Knows
