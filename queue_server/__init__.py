@@ -50,8 +50,9 @@ with no I/O, is a library beside the package and imports nothing from it.
                 permissions and tokens; the alarm table.
 - `mvcc/`       revisions, per-key history, tombstones, compaction. No I/O.
 - `errors.py`, `logs.py`, `durations.py` the etcd errors the core reports (wire
-                code and text); console or JSON log lines; Go's duration text
-                ("30s", "1m30s"), read the same for flags and queue settings.
+                code and text); console or JSON log lines (grpc C-core's stderr
+                lines too); Go's duration text ("30s", "1m30s"), read the same
+                for flags and queue settings.
 - `transport/`  the native gRPC server: HTTP/2 frames (`h2.py`, no I/O), calls on
                 a connection, the method table and the `Call` interface, and the
                 HTTP/1.1 JSON gateway on the same port (`gateway.py`). Knows

@@ -15,18 +15,33 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from queue_server import logs, restore
 from queue_server.config import ConfigError, parse_config
-from queue_server.server import Server, StartupError
+
+if TYPE_CHECKING:
+    from queue_server.server import Server
 
 
 async def serve(server: Server) -> None:
-    """Start, then serve until SIGTERM or SIGINT, then stop gracefully."""
+    """Start, then serve until SIGTERM or SIGINT, then stop gracefully. From the
+    first signal on, the signals have their default action again: a second one
+    ends the process at once, as etcd's does (every acknowledged write is on
+    disk already; the next start recovers as after a crash)."""
     stop = asyncio.Event()
+    received: list[signal.Signals] = []
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig)
+        for s in STOP_SIGNALS:
+            loop.remove_signal_handler(s)
+            signal.signal(s, signal.SIG_DFL)
+        stop.set()
+
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         await server.start()
     except BaseException:
@@ -38,8 +53,13 @@ async def serve(server: Server) -> None:
     signalled.cancel()
     failed.cancel()
     if server.failed is None:
-        logging.getLogger(__name__).info("received signal, stopping")
+        logging.getLogger(__name__).info(
+            "received signal, stopping (a second one exits at once) signal=%s", received[0].name
+        )
     await server.stop()
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -72,7 +92,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"queue-server: {e}", file=sys.stderr)
         return 1
+    native = logs.NativeStderr()
+    if config.grpc_transport == "grpcio":
+        native.start()  # grpc's C-core logs become our records
     logs.configure(config.log_level, config.log_format)
+    logs.set_grpc_verbosity(config.log_level)
+    # grpc reads GRPC_VERBOSITY when first imported: the server imports it
+    from queue_server.server import Server, StartupError
+
     gc.set_threshold(*GC_THRESHOLDS)
     sys.setswitchinterval(GIL_SWITCH_SECONDS)
     server = Server(config)
@@ -80,8 +107,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         with asyncio.Runner(loop_factory=_new_loop) as runner:
             runner.run(serve(server))
     except StartupError as e:
+        native.stop()
         print(f"queue-server: {e}", file=sys.stderr)
         return 1
+    finally:
+        native.stop()
     if server.failed is not None:  # fail-stop: the log line said why
         print(f"queue-server: stopped: {server.failed}", file=sys.stderr)
         return 1

@@ -2,8 +2,11 @@
 
 `Server.start()` takes the data directory (one process per directory, enforced by
 a lock), recovers the state from snapshot + log, binds the client URLs and starts
-serving; `Server.stop()` stops accepting calls, lets in-flight calls finish within
-a grace period, flushes the log and releases the directory.
+serving; `Server.stop()` stops accepting calls, ends watches, keepalive streams
+and long polls at once with etcd's UNAVAILABLE "etcdserver: server stopped" and
+other calls in flight after a short grace, lets its own bookkeeping writes
+through, flushes and closes the log and releases the directory. The `stopped`
+line is the last one logged.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from queue_server.api.auth_gate import AuthGate, guard
 from queue_server.api.cqs import CqsService, QueueWaiters
 from queue_server.api.election import ElectionService
 from queue_server.api.gateway_routes import gateway_settings
-from queue_server.api.grpcio_server import generic_handlers
+from queue_server.api.grpcio_server import ServedCalls, generic_handlers, stop_grpcio
 from queue_server.api.header import HeaderFiller
 from queue_server.api.kv import KVService
 from queue_server.api.lease import LeaseService
@@ -52,7 +55,7 @@ from queue_server.config import GRPC_OVERHEAD_BYTES, Config, secure_url, url_to_
 from queue_server.cqs.visibility import VisibilityTimer
 from queue_server.cqs.watch_view import CqsWatchConsumers
 from queue_server.dashboard import DashboardSource, QueueHistory, Redriver
-from queue_server.errors import EtcdError, LeaseNotFound
+from queue_server.errors import EtcdError, LeaseNotFound, ServerStopped
 from queue_server.http_health import (
     TEXT,
     HealthChecker,
@@ -91,7 +94,7 @@ from queue_server.tls import (
 from queue_server.transport.grpc_protocol import ConnectionSettings
 from queue_server.transport.h2 import STREAM_CAP, Limits
 from queue_server.transport.methods import MethodTable
-from queue_server.transport.server import NativeServer
+from queue_server.transport.server import FLUSH_SECONDS, NativeServer
 from queue_server.watch.hub import WatchHub
 
 log = logging.getLogger(__name__)
@@ -99,8 +102,19 @@ log = logging.getLogger(__name__)
 GATEWAY_PAGES = ("/health", "/metrics", "/livez", "/readyz")
 """The --listen-metrics-urls pages also answered on the client port (as etcd
 answers /health and /metrics there)."""
-SHUTDOWN_GRACE_SECONDS = 5.0
-"""How long in-flight calls may take to finish at shutdown before being cut."""
+SHUTDOWN_GRACE_SECONDS = 0.5
+"""How long the unary calls in flight at a stop may take to finish before they
+are ended with UNAVAILABLE. A write waits for one fsync (milliseconds); one
+that waits longer waits for a leader, which a stopping member will not see.
+Watches, keepalive streams and long polls end at once (`NativeServer.stop`)."""
+BACKGROUND_GRACE_SECONDS = 0.25
+"""How long a stop lets the node's own bookkeeping writes (the messages of the
+consumers it just disconnected, given back to their queues) go through the log
+before cancelling them; a later start redoes what did not."""
+
+
+STOPPED_MESSAGE = ServerStopped.message
+"""What a call ended by a stop is told, with UNAVAILABLE: etcd's ErrGRPCStopped."""
 
 
 class StartupError(RuntimeError):
@@ -133,10 +147,14 @@ class Server:
         self.session: NodeSession | None = None
         self._published = False
         self.grpc_server: aio.Server | NativeServer | None = None
+        self._grpcio_calls = ServedCalls(STOPPED_MESSAGE)
+        """The calls served on grpcio (--grpc-transport grpcio), for a stop."""
         self.bound_ports: list[int] = []
         self._lock_fd = -1
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
+        self._stopping = False
+        """Set once a stop has let the background writes through: none start after."""
         self.timers = Timers(time.monotonic)
         self.expiry = ExpiryClock(self.timers.clock, forward_keep_alive=self._forward_keep_alive)
         self.driver = NodeDriver(self.timers)
@@ -496,7 +514,7 @@ class Server:
         cfg = self.config
         if cfg.grpc_transport == "grpcio":
             server = aio.server(options=self._grpc_options())
-            server.add_generic_rpc_handlers(generic_handlers(table))
+            server.add_generic_rpc_handlers(generic_handlers(table, self._grpcio_calls))
             self.bound_ports += self._bind(server, cfg.listen_client_urls)
             await server.start()
             self.grpc_server = server
@@ -518,6 +536,7 @@ class Server:
                 gateway=gateway_settings(
                     table, pages, cfg.max_request_bytes * 4 // 3 + GRPC_OVERHEAD_BYTES
                 ),
+                stopped_message=STOPPED_MESSAGE,
             )
         )
         self.grpc_server = native
@@ -580,8 +599,15 @@ class Server:
 
     async def _stop_serving(self) -> None:
         await asyncio.sleep(1.0)  # let the MemberRemove answer go out first
-        if self.grpc_server is not None:
-            await self.grpc_server.stop(SHUTDOWN_GRACE_SECONDS)
+        await self._stop_transport(SHUTDOWN_GRACE_SECONDS)
+
+    async def _stop_transport(self, grace: float) -> None:
+        """Stop the client port's transport (see `NativeServer.stop`)."""
+        server = self.grpc_server
+        if isinstance(server, NativeServer):
+            await server.stop(grace)
+        elif server is not None:
+            await stop_grpcio(server, self._grpcio_calls, grace, FLUSH_SECONDS)
 
     def _restored_from_leader(self) -> None:
         """A snapshot from the leader replaced the state: rebuild what follows it."""
@@ -724,7 +750,11 @@ class Server:
             raise result
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        """Run a background proposal, keeping a reference until it ends."""
+        """Run a background proposal, keeping a reference until it ends (none
+        once the server is stopping: the log is closing)."""
+        if self._stopping:
+            coro.close()
+            return
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -741,13 +771,15 @@ class Server:
         log.debug("lease expired lease=%x", lease_id)
 
     async def stop(self, grace: float = SHUTDOWN_GRACE_SECONDS) -> None:
-        """Stop serving; in-flight calls get `grace` seconds; the log is flushed."""
+        """Stop serving: watches, keepalive streams and long polls end at once,
+        other calls in flight get `grace` seconds; then the background writes,
+        then the log is flushed and closed. Logs `stopped` last."""
         if self.health is not None:
             await self.health.stop()
         for task in self._tasks:
             task.cancel()
-        if self.grpc_server is not None:
-            await self.grpc_server.stop(grace)
+        await self._stop_transport(grace)
+        await self._end_background()
         if self.log is not None:
             await self.log.close()
         if self.peers is not None:
@@ -756,6 +788,19 @@ class Server:
             os.close(self._lock_fd)
             self._lock_fd = -1
         log.info("stopped name=%s revision=%d", self.config.name, self.state.store.revision)
+
+    async def _end_background(self) -> None:
+        """Let the background writes in flight (those the stop caused: messages
+        of disconnected consumers given back) through the log for up to
+        BACKGROUND_GRACE_SECONDS, then cancel the rest and start no more."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=BACKGROUND_GRACE_SECONDS)
+        self._stopping = True
+        left = set(self._background)
+        for task in left:
+            task.cancel()
+        if left:
+            await asyncio.wait(left, timeout=BACKGROUND_GRACE_SECONDS)
 
     async def wait_for_termination(self) -> None:
         if self.grpc_server is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from typing import ClassVar
 
 from etcdserverpb import cqs_pb2, cqs_pb2_grpc, internal_pb2, rpc_pb2
 from queue_server.api.errors import abort, propose_checked
@@ -80,6 +81,10 @@ class QueueWaiters:
 
 class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
     """CQS over the node's log and state machine."""
+
+    waiting_methods: ClassVar[frozenset[str]] = frozenset({"BatchDequeue", "ReEnqueue"})
+    """Methods that wait for the queue to fill or for the client's Footer (a
+    stop ends them at once: `Method.waits`)."""
 
     def __init__(
         self,

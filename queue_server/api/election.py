@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import ClassVar
 
 from etcdserverpb import rpc_pb2, v3election_pb2, v3election_pb2_grpc
 from queue_server.api.errors import abort_unknown
@@ -43,6 +44,10 @@ class NotLeader(Exception):
 
 class ElectionService(v3election_pb2_grpc.ElectionServicer):
     """Server-side elections over the node's own KV, leases and watches."""
+
+    waiting_methods: ClassVar[frozenset[str]] = frozenset({"Campaign", "Observe"})
+    """Methods that wait for other candidates or follow the leader for as long
+    as the client wants (a stop ends them at once: `Method.waits`)."""
 
     def __init__(self, client: LocalClient, header: HeaderFiller, ids: LeaseIdGenerator) -> None:
         self.client = client

@@ -7,6 +7,11 @@ ones only: for "registered methods" grpcio 1.6x keeps a pending task per method
 and waits on all of them for every incoming call, a cost linear in the ~33
 methods of etcd's services (more CPU than a whole Range).
 
+A stop (`stop_grpcio`) ends the calls in flight with a status of ours, as the
+native transport does (grpcio's own stop would wait out its grace, then cancel
+them with UNAVAILABLE "Cancelling all calls"): `ServedCalls` knows each call's
+task, and a call cancelled by the stop answers UNAVAILABLE with its message.
+
 Requests that do not parse are answered as etcd (grpc-go) answers them:
 INTERNAL "grpc: error unmarshalling request: ..." for a unary request, INTERNAL
 "grpc: failed to unmarshal the received message ..." on a stream, instead of
@@ -16,8 +21,10 @@ returns an `Undecodable` marker instead of raising.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -89,6 +96,53 @@ class GrpcioCall:
             yield request
 
 
+class ServedCalls:
+    """The calls being served on grpcio, so that a stop can end them."""
+
+    def __init__(self, stopped_message: str) -> None:
+        self.stopped_message = stopped_message
+        """The UNAVAILABLE status text of calls a stop ends."""
+        self.stopping = False
+        self._tasks: dict[asyncio.Task[Any], bool] = {}
+        """Each call's task, and whether the call waits (`Method.waits`)."""
+
+    @contextlib.contextmanager
+    def serving(self, waits: bool) -> Iterator[None]:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks[task] = waits
+        try:
+            yield
+        finally:
+            self._tasks.pop(task, None)
+
+    def end(self, waiting_only: bool) -> None:
+        """Cancel the calls (with `waiting_only`, those that wait): each answers
+        UNAVAILABLE `stopped_message`."""
+        self.stopping = True
+        for task, waits in list(self._tasks.items()):
+            if waits or not waiting_only:
+                task.cancel()
+
+    def stopped(self) -> RpcError:
+        return RpcError(Status.UNAVAILABLE, self.stopped_message)
+
+
+async def stop_grpcio(server: aio.Server, calls: ServedCalls, grace: float, flush: float) -> None:
+    """Stop `server` as the native transport stops: no new calls (GOAWAY),
+    the waiting calls (`Method.waits`) ended at once, the other calls after `grace`
+    seconds, all with UNAVAILABLE `calls.stopped_message`; whatever grpcio still
+    holds `flush` seconds later is cancelled by grpcio itself."""
+    stopping = asyncio.ensure_future(server.stop(grace + flush))
+    # One turn of the loop: grpcio's stop refuses new calls (GOAWAY) before it
+    # first waits, so a client that retries at once cannot open a new watch.
+    await asyncio.sleep(0)
+    calls.end(waiting_only=True)
+    await asyncio.wait({stopping}, timeout=grace)
+    calls.end(waiting_only=False)
+    await stopping
+
+
 def _safe(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     def deserialize(raw: bytes) -> Any:
         try:
@@ -113,9 +167,10 @@ async def _abort(context: Context, error: RpcError) -> NoReturn:
     raise AssertionError("unreachable: abort raises")
 
 
-def _behavior(method: Method) -> Callable[..., Any]:
+def _behavior(method: Method, calls: ServedCalls) -> Callable[..., Any]:
     handler = method.handler
     streamed_out = method.response_streaming and inspect.isasyncgenfunction(handler)
+    waits = method.waits
 
     def arguments(request: Any, call: GrpcioCall) -> Any:
         if method.request_streaming:
@@ -128,26 +183,38 @@ def _behavior(method: Method) -> Callable[..., Any]:
 
         async def stream_out(request: Any, context: Context) -> AsyncIterator[Any]:
             call = GrpcioCall(context)
-            try:
-                async for item in handler(arguments(request, call), call):
-                    yield item
-            except RpcError as e:
-                await _abort(context, call.stream_error or e)
+            with calls.serving(waits):
+                try:
+                    async for item in handler(arguments(request, call), call):
+                        yield item
+                except RpcError as e:
+                    await _abort(context, call.stream_error or e)
+                except asyncio.CancelledError:
+                    if not calls.stopping:
+                        raise
+                    await _abort(context, calls.stopped())
 
         return stream_out
 
     async def unary_out(request: Any, context: Context) -> Any:
         call = GrpcioCall(context)
-        try:
-            return await handler(arguments(request, call), call)
-        except RpcError as e:
-            await _abort(context, call.stream_error or e)
+        with calls.serving(waits):
+            try:
+                return await handler(arguments(request, call), call)
+            except RpcError as e:
+                await _abort(context, call.stream_error or e)
+            except asyncio.CancelledError:
+                if not calls.stopping:
+                    raise
+                await _abort(context, calls.stopped())
 
     return unary_out
 
 
-def generic_handlers(table: MethodTable) -> list[grpc.GenericRpcHandler[Any, Any]]:
-    """The table as grpcio generic handlers, one per service."""
+def generic_handlers(
+    table: MethodTable, calls: ServedCalls
+) -> list[grpc.GenericRpcHandler[Any, Any]]:
+    """The table as grpcio generic handlers, one per service, serving `calls`."""
     by_service: dict[str, dict[str, grpc.RpcMethodHandler[Any, Any]]] = {}
     for method in table.methods.values():
         kind = {
@@ -157,7 +224,7 @@ def generic_handlers(table: MethodTable) -> list[grpc.GenericRpcHandler[Any, Any
             "bidi_stream": grpc.stream_stream_rpc_method_handler,
         }[method.kind]
         by_service.setdefault(method.service, {})[method.name] = kind(
-            _behavior(method),
+            _behavior(method, calls),
             request_deserializer=_safe(method.parse),
             response_serializer=_passing_bytes(method.serialize),
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from etcdserverpb import internal_pb2, rpc_pb2, rpc_pb2_grpc
 from queue_server.api.errors import propose_or_abort
@@ -37,6 +37,10 @@ class DeliveryLeases(Protocol):
 
 class LeaseService(rpc_pb2_grpc.LeaseServicer):
     """Serves leases from the state machine's lessor and the node's expiry clock."""
+
+    waiting_methods: ClassVar[frozenset[str]] = frozenset({"LeaseKeepAlive"})
+    """Keepalive streams last as long as the client wants (a stop ends them
+    at once: `Method.waits`)."""
 
     def __init__(
         self,

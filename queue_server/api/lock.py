@@ -12,6 +12,8 @@ carry no gRPC status), e.g. UNKNOWN "etcdserver: requested lease not found".
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from etcdserverpb import v3lock_pb2, v3lock_pb2_grpc
 from queue_server.api.errors import abort_unknown
 from queue_server.api.header import HeaderFiller
@@ -26,6 +28,10 @@ Context = Call
 
 class LockService(v3lock_pb2_grpc.LockServicer):
     """Server-side mutexes over the node's own KV, leases and watches."""
+
+    waiting_methods: ClassVar[frozenset[str]] = frozenset({"Lock"})
+    """Methods that wait for other holders (a stop ends them at once:
+    `Method.waits`)."""
 
     def __init__(self, client: LocalClient, header: HeaderFiller, ids: LeaseIdGenerator) -> None:
         self.client = client

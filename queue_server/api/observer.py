@@ -6,8 +6,8 @@ the call is served, so every record logged meanwhile carries it); the counters
 names and labels, as etcd exports them: type, service, method, and grpc-go's
 spelling of the code); and etcd's slow-request warning, "apply request took too
 long", for a unary call that took longer than
-`--experimental-warning-apply-duration` (streams live as long as their client
-wants and are not timed).
+`--experimental-warning-apply-duration` (streams and long polls live as long
+as their client wants and are not timed).
 
 Each method's wrapper is built once, when the method table is wrapped, so a
 call costs two counter increments, one clock read pair and a context variable
@@ -83,7 +83,7 @@ class RpcObserver:
         labels = (method.kind, method.service, method.name)
         if inspect.isasyncgenfunction(method.handler):
             return self._stream(method.handler, labels)
-        return self._call(method.handler, labels, timed=method.kind == "unary")
+        return self._call(method.handler, labels, timed=method.kind == "unary" and not method.waits)
 
     def _next_id(self) -> str:
         return f"{next(self._ids):x}"

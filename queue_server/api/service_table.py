@@ -35,7 +35,9 @@ def _implemented(servicer: object, name: str) -> bool:
 
 
 def service_methods(service: ServiceDescriptor, servicer: object) -> list[Method]:
-    """The methods of `service`, served by `servicer`."""
+    """The methods of `service`, served by `servicer`; those the servicer names in
+    its `waiting_methods` are marked `Method.waits` (a stop ends them at once)."""
+    waiting: frozenset[str] = getattr(servicer, "waiting_methods", frozenset())
     methods = []
     for m in service.methods:
         request = GetMessageClass(m.input_type)
@@ -52,6 +54,7 @@ def service_methods(service: ServiceDescriptor, servicer: object) -> list[Method
                 serialize=response.SerializeToString,
                 request_class=request,
                 response_class=response,
+                waits=m.name in waiting,
             )
         )
     return methods

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import ClassVar
 
 from etcdserverpb import rpc_pb2, rpc_pb2_grpc
 from queue_server.api.header import HeaderFiller
@@ -47,6 +48,10 @@ DEFAULT_PROGRESS_INTERVAL = 600.0
 
 class WatchService(rpc_pb2_grpc.WatchServicer):
     """Serves Watch streams from one `WatchHub`."""
+
+    waiting_methods: ClassVar[frozenset[str]] = frozenset({"Watch"})
+    """Watch streams last as long as the client wants (a stop ends them at
+    once: `Method.waits`)."""
 
     def __init__(
         self,

@@ -62,7 +62,6 @@ request id: 13 or 14 bytes, depending on the id's top bit); counting it keeps ou
 limit within a byte of etcd's, never above it."""
 
 
-
 def too_large(command: internal_pb2.Command, payload: bytes, max_request_bytes: int) -> bool:
     """etcd's --max-request-bytes check on a log entry: the request as etcd would
     log it (ENTRY_HEADER_BYTES more), without the proposer's clock stamp, which

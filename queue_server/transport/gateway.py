@@ -690,6 +690,23 @@ class HttpConnection(asyncio.Protocol):
         if self._task is None and self._call is None and self.transport is not None:
             self.transport.close()
 
+    def end_call(self, waiting_only: bool, code: Status, message: str) -> None:
+        """A stop: end the call in flight with `code` and `message` (grpc-gateway's
+        error line on a stream already answering), and cancel its handler. With
+        `waiting_only`, only a call that waits on its client or on others
+        (`Method.waits`: watches, keepalive streams, long polls)."""
+        call, task = self._call, self._task
+        if call is None or task is None or call.closed:
+            return
+        if waiting_only and not call.method.waits:
+            return
+        self._task = None
+        if call.response_started:
+            self._end_stream(call, RpcError(code, message))
+        else:
+            self._answer_error(code, message)
+        task.cancel()
+
     def close_now(self) -> None:
         if self.transport is None:
             return

@@ -21,6 +21,10 @@ Theory of operation, per call:
   window or the socket is full.
 - RST_STREAM from the client, a lost connection or the deadline cancel the
   task. Nothing is sent on a stream after it is closed.
+- A stop (`transport/server.py`) sends GOAWAY, then ends calls with UNAVAILABLE
+  and `ConnectionSettings.stopped_message` (trailers, so the client learns why)
+  and cancels their tasks: waiting calls (`Method.waits`) at once, other
+  calls after the grace. A draining connection closes itself once nothing is left to send.
 """
 
 from __future__ import annotations
@@ -109,6 +113,9 @@ class ConnectionSettings:
     clock: Callable[[], float] | None = None
     gateway: GatewaySettings | None = None
     """The HTTP/1.1 JSON gateway served on the same port (None: gRPC only)."""
+    stopped_message: str = "server stopped"
+    """The UNAVAILABLE status text of calls a stop ends (etcd's is
+    "etcdserver: server stopped")."""
 
 
 class NativeCall:
@@ -615,7 +622,7 @@ class GrpcConnection(asyncio.Protocol):
             self._end(call, first.code, first.message)
         except asyncio.CancelledError:
             if not call.closed:  # the server is stopping
-                self._end(call, Status.UNAVAILABLE, "server is stopping")
+                self._end(call, Status.UNAVAILABLE, self.settings.stopped_message)
         except Exception as e:
             log.exception("handler failed method=%s", method.path)
             self._end(call, Status.UNKNOWN, f"Unexpected {type(e)}: {e}")
@@ -709,6 +716,28 @@ class GrpcConnection(asyncio.Protocol):
         self.h2.goaway(ErrorCode.NO_ERROR)
         self._flush()
 
+    @property
+    def serving(self) -> bool:
+        """Whether a call is still running (output waiting for window aside)."""
+        if self.http is not None:
+            return not self.idle.is_set()
+        return bool(self.calls)
+
+    def end_calls(self, waiting_only: bool) -> None:
+        """A stop: end calls in flight with UNAVAILABLE (`stopped_message`) and
+        cancel their handlers. With `waiting_only`, only the calls that wait on
+        their client or on others (`Method.waits`: watches, keepalive streams, long polls)."""
+        if self.http is not None:
+            self.http.end_call(waiting_only, Status.UNAVAILABLE, self.settings.stopped_message)
+            return
+        for call in list(self.calls.values()):
+            if waiting_only and not call.method.waits:
+                continue
+            self._end(call, Status.UNAVAILABLE, self.settings.stopped_message)
+            if call.task is not None:
+                call.task.cancel()
+        self._flush()
+
     def _unknown(self, path: bytes) -> str:
         """grpc-go's text for a path no method serves."""
         text = path.decode("latin-1")
@@ -720,8 +749,8 @@ class GrpcConnection(asyncio.Protocol):
         return f"unknown service {service}"
 
     def close_now(self) -> None:
-        """The grace period is over: close (an idle connection after writing its
-        GOAWAY), cutting the calls still running."""
+        """The stop's time is up: close (a quiet connection after writing what it
+        has), cutting the calls and the output still left."""
         if self.http is not None:
             self.http.close_now()
             return

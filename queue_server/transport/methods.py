@@ -73,6 +73,10 @@ class Method:
     response_class: Any = None
     """The response's message class (the gateway reads back responses handed over
     serialized already, as `write_many` allows)."""
+    waits: bool = False
+    """The call lasts for as long as its client or others want: a watch, a
+    keepalive stream, a long poll, a lock. A stop ends such calls at once with
+    UNAVAILABLE, where other calls in flight get a grace period to finish."""
 
     @property
     def path(self) -> str:

@@ -1,7 +1,8 @@
 """docker-compose.yml and the Dockerfile: their structure, and the compose services'
 own commands run as a three-member cluster of local processes (no Docker engine
 here; see tests/support/compose.py for what stands in for the container runtime),
-driven with etcdctl as a user of the compose setup would."""
+driven with etcdctl as a user of the compose setup would. docs/cluster.md's path
+without Docker documents those very commands."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import os
 import queue
 import re
+import shlex
 import shutil
 import subprocess
 import threading
@@ -26,9 +28,11 @@ from tests.support.compose import (
     DOCKERFILE,
     METRICS_PORT,
     ComposeCluster,
+    PortMap,
     data_dir_flag,
     flag_value,
     load_compose,
+    localize,
     volume_target,
 )
 from tests.support.processes import REPO_ROOT
@@ -39,6 +43,7 @@ pytestmark = [
 ]
 
 NAMES = ["n1", "n2", "n3"]
+CLUSTER_DOC = REPO_ROOT / "docs" / "cluster.md"
 CTL_TIMEOUT = 15.0
 WATCH_TIMEOUT = 10.0
 
@@ -124,6 +129,47 @@ def test_compose_file_structure(compose: dict[str, Any]) -> None:
         assert f"'http://127.0.0.1:{METRICS_PORT}/health'" in check["test"][3]
         assert {"interval", "timeout", "retries"} <= set(check)
     assert len(set(published)) == 3, f"host ports must differ: {published}"
+
+
+def documented_commands(path: Path, program: str) -> list[list[str]]:
+    """The `program` commands of a Markdown file's indented code blocks, each
+    with its continuation lines, as argument lists."""
+    commands: list[list[str]] = []
+    current: str | None = None
+    for line in path.read_text(encoding="utf-8").splitlines():
+        text = line.strip()
+        if current is None and line.startswith("    ") and text.startswith(program + " "):
+            current = ""
+        if current is not None:
+            current += text.removesuffix("\\") + " "
+            if not text.endswith("\\"):
+                commands.append(shlex.split(current))
+                current = None
+    return commands
+
+
+def test_cluster_doc_runs_the_compose_commands_as_local_processes(
+    compose: dict[str, Any],
+) -> None:
+    """docs/cluster.md's three members without Docker are the compose services'
+    commands with each container port moved to a local one: clients on the host
+    ports compose publishes, peers and metrics on the next two. The `cluster`
+    fixture below runs those commands."""
+    documented = {
+        flag_value(c, "--name"): c[1:]
+        for c in documented_commands(CLUSTER_DOC, "queue-server")
+        if c[0] == "queue-server"
+    }
+    services = compose["services"]
+    client = {name: int(str(svc["ports"][0]).split(":")[0]) for name, svc in services.items()}
+    ports = PortMap(
+        client=client,
+        peer={name: port + 1 for name, port in client.items()},
+        metrics={name: port + 2 for name, port in client.items()},
+    )
+    for name, svc in services.items():
+        local = localize(svc["command"], name, ports, Path(f"{name}.etcd"))
+        assert documented.get(name) == local, f"docs/cluster.md's {name} is not compose's"
 
 
 def test_dockerfile_installs_the_package_and_etcdctl() -> None:

@@ -1,11 +1,16 @@
 """--listen-metrics-urls against real server processes: etcd's /health (alarms,
-?exclude, ?serializable, no leader), /readyz, /livez and 404, asked over HTTP."""
+?exclude, ?serializable, no leader), /readyz, /livez and 404, asked over HTTP;
+the README's first command serves the dashboard and /metrics there."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import shlex
+import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,12 +21,13 @@ import pytest
 
 from etcdserverpb import rpc_pb2, rpc_pb2_grpc
 from tests.support.cluster import Cluster, Member
-from tests.support.processes import ServerProcess, free_port
+from tests.support.processes import REPO_ROOT, ServerProcess, free_port, wait_ready
 
 pytestmark = pytest.mark.integration
 
 HTTP_TIMEOUT = 10.0
 """Longer than the server's own 7 s bound on the read behind /health."""
+README = REPO_ROOT / "README.md"
 NO_LEADER_TIMEOUT = 30.0
 """A member cut off from its peers loses its leader within an election timeout or
 two (1-2 s); its /health can also wait out one 7 s read first."""
@@ -167,3 +173,36 @@ def test_member_cut_off_from_its_peers_is_unhealthy(tmp_path: Path) -> None:
         assert get(port, "/livez").status == 200
     finally:
         cluster.stop()
+
+
+def test_the_readmes_first_command_serves_the_dashboard_and_metrics(tmp_path: Path) -> None:
+    """README.md's first command, run as written but on free ports and in a tmp
+    dir: clients, and the dashboard and /metrics on the metrics listener."""
+    install, _, command = (
+        README.read_text(encoding="utf-8").splitlines()[4].strip().partition(" && ")
+    )
+    assert install == "pip install -e ."
+    program, *args = shlex.split(command)
+    assert program == "queue-server"  # pyproject's entry point: queue_server.cli:main
+    client, metrics = free_port(), free_port()
+    local = [
+        arg.replace("127.0.0.1:2379", f"127.0.0.1:{client}")
+        .replace("127.0.0.1:2381", f"127.0.0.1:{metrics}")
+        .replace("./default.etcd", str(tmp_path / "default.etcd"))
+        for arg in args
+    ]
+    assert local != args and f"http://127.0.0.1:{metrics}" in local
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "queue_server.cli", *local],
+        cwd=REPO_ROOT,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_ready(f"127.0.0.1:{client}", proc)
+        page = get(metrics, "/")
+        assert page.status == 200 and b"<html" in page.body.lower()  # the dashboard
+        figures = get(metrics, "/metrics")
+        assert figures.status == 200 and b"etcd_server_has_leader 1" in figures.body
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0

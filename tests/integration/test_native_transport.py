@@ -18,7 +18,7 @@ import contextlib
 import socket
 import struct
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -123,6 +123,7 @@ async def serving(
     keepalive_interval: float = 7200.0,
     keepalive_timeout: float = 20.0,
     preface_timeout: float = 10.0,
+    stopped_message: str = "server stopped",
 ) -> AsyncIterator[Served]:
     """A NativeServer on 127.0.0.1 (any port) serving `methods`; stopped after."""
     table = MethodTable(methods)
@@ -133,6 +134,7 @@ async def serving(
         keepalive_interval=keepalive_interval,
         keepalive_timeout=keepalive_timeout,
         preface_timeout=preface_timeout,
+        stopped_message=stopped_message,
     )
     server = NativeServer(settings)
     port = await server.listen("127.0.0.1", 0)
@@ -934,6 +936,72 @@ async def test_graceful_stop_finishes_calls_in_flight_then_refuses_new_ones() ->
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         with pytest.raises(OSError):
             await asyncio.wait_for(asyncio.open_connection("127.0.0.1", served.port), WAIT)
+
+
+async def test_a_stop_ends_waiting_calls_at_once_and_gives_the_others_the_grace() -> None:
+    watch, poll = Parked(), Parked()
+    release = asyncio.Event()
+    slow_started = asyncio.Event()
+
+    async def watching(requests: Any, call: Call) -> AsyncIterator[Any]:
+        yield RangeResponse(count=1)
+        await watch.park(call)
+
+    async def slow(request: rpc_pb2.RangeRequest, call: Call) -> rpc_pb2.RangeResponse:
+        slow_started.set()
+        await release.wait()
+        return RangeResponse(count=7)
+
+    methods = (
+        replace(
+            method("Watch", watching, client_streaming=True, server_streaming=True), waits=True
+        ),
+        replace(method("Poll", poll.unary), waits=True),
+        method("Slow", slow),
+    )
+    async with serving(*methods, stopped_message="test: stopped") as served, channel(served) as ch:
+        stream = stream_stream(ch, "Watch")(timeout=WAIT)
+        await stream.write(RangeRequest())
+        assert (await asyncio.wait_for(stream.read(), WAIT)).count == 1
+        polled = asyncio.ensure_future(unary(ch, "Poll")(RangeRequest(), timeout=WAIT))
+        in_flight = asyncio.ensure_future(unary(ch, "Slow")(RangeRequest(), timeout=WAIT))
+        await asyncio.wait_for(poll.started.wait(), WAIT)
+        await asyncio.wait_for(slow_started.wait(), WAIT)
+
+        stop = asyncio.ensure_future(served.server.stop(grace=5))
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await asyncio.wait_for(stream.read(), WAIT)
+        assert (ended.value.code(), ended.value.details()) == (
+            grpc.StatusCode.UNAVAILABLE,
+            "test: stopped",
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await asyncio.wait_for(polled, WAIT)
+        assert (ended.value.code(), ended.value.details()) == (
+            grpc.StatusCode.UNAVAILABLE,
+            "test: stopped",
+        )
+        await asyncio.wait_for(watch.cancelled.wait(), WAIT)
+        await asyncio.wait_for(poll.cancelled.wait(), WAIT)
+        assert not in_flight.done() and not stop.done()  # the plain call has its grace
+        release.set()
+        assert (await asyncio.wait_for(in_flight, WAIT)).count == 7
+        await asyncio.wait_for(stop, WAIT)
+
+
+async def test_a_stop_ends_a_plain_call_still_running_after_the_grace() -> None:
+    parked = Parked()
+    async with serving(method("Slow", parked.unary)) as served, channel(served) as ch:
+        in_flight = asyncio.ensure_future(unary(ch, "Slow")(RangeRequest(), timeout=WAIT))
+        await asyncio.wait_for(parked.started.wait(), WAIT)
+        began = asyncio.get_running_loop().time()
+        await asyncio.wait_for(served.server.stop(grace=0.2), WAIT)
+        assert asyncio.get_running_loop().time() - began < 2.0
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await asyncio.wait_for(in_flight, WAIT)
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert ended.value.details() == "server stopped"  # ConnectionSettings' default
+        await asyncio.wait_for(parked.cancelled.wait(), WAIT)
 
 
 async def test_graceful_stop_delivers_a_stream_still_waiting_for_window() -> None:
