@@ -145,6 +145,8 @@ class KeyspaceRouter:
         if not key.startswith(grammar.PREFIXES):
             return
         grammar.check_put(key)
+        if not key.endswith(b"/config"):
+            return  # what follows is for config keys; most puts here produce
         qk = grammar.parse(key)  # not self.parse: its cache belongs to apply
         if qk is not None and qk.kind == "config":
             config = parse_config(key, value, self.config_fields)
