@@ -979,7 +979,11 @@ def test_consumer_that_does_not_read_is_dropped_after_5s(
         while (req := requests.get()) is not None:
             yield req
 
-    with grpc.insecure_channel(server.endpoint) as stuck_channel:
+    # No BDP probing: grpc would grow the stream's window on its own while the
+    # application reads nothing, and sometimes take all 12 MB into its buffers,
+    # so the server's writes never stall. A fixed 64 KiB window stalls them.
+    no_autotune = [("grpc.http2.bdp_probe", 0)]
+    with grpc.insecure_channel(server.endpoint, options=no_autotune) as stuck_channel:
         stuck = rpc_pb2_grpc.WatchStub(stuck_channel).Watch(request_iter(), timeout=60)
         create = rpc_pb2.WatchCreateRequest(key=consumer_key(name, new_id()))
         requests.put(rpc_pb2.WatchRequest(create_request=create))
