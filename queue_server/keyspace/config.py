@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from queue_server.durations import parse_go_duration
 from queue_server.errors import EtcdError
+from queue_server.keyspace.grammar import show
 
 QueueConfig = Mapping[str, object]
 
@@ -49,11 +50,7 @@ class InvalidQueueConfig(EtcdError):
 
 def invalid(key: bytes, why: str) -> InvalidQueueConfig:
     """The error for the config at `key` refused because of `why`."""
-    return InvalidQueueConfig(f"etcdserver: queue config {_show(key)}: {why}")
-
-
-def _show(key: bytes) -> str:
-    return key.decode("utf-8", "backslashreplace")
+    return InvalidQueueConfig(f"etcdserver: queue config {show(key)}: {why}")
 
 
 def shown(value: object) -> str:
@@ -75,10 +72,7 @@ def parse_config(key: bytes, value: bytes, known: Iterable[str] | None = None) -
     if not isinstance(raw, dict):
         raise invalid(key, f"{shown(raw)} is not a JSON object")
     if known is not None:
-        unknown = sorted(set(raw) - set(known))
-        if unknown:
-            name = unknown[0]
-            raise invalid(key, f"unknown field {shown(name)} (value {shown(raw[name])})")
+        ConfigFields(key, raw, strict=True).only(known)
     return raw
 
 

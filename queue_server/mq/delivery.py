@@ -243,7 +243,7 @@ class Delivery:
             dst = response.events.add(type=kv_pb2.Event.PUT).kv
             dst.key = dst_key
             dst.create_revision = kv.create_revision
-            dst.mod_revision = max(revision, kv.mod_revision)
+            dst.mod_revision = revision
             dst.version = kv.version
             dst.value = kv.value
             if lease:

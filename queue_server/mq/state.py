@@ -112,7 +112,7 @@ class Assignment:
     consumer: bytes
     node: bytes
     items: list[tuple[int, bytes]]  # (idx, message key), oldest first
-    revision: int = 0
+    revision: int
     """The store's revision when they were handed out: the delivery events'
     `mod_revision`. Deliveries to one consumer never go back in revision, as the
     events of an etcd watch never do (etcd's grpc-proxy drops those that do)."""
@@ -348,9 +348,9 @@ class QueueState:
         return [idx for _q, idx in self._to_dead[first:]]
 
     def after_apply(self, store: MVCCStore) -> None:
-        """End of a command: rewrite what a requeue gave back and dead-letter
-        what reached max_deliveries (one more revision each), then hand pending
-        messages out."""
+        """End of a command: put again what was taken back unacknowledged and
+        dead-letter what reached max_deliveries (one more revision each), then
+        hand pending messages out."""
         if self._given_back:
             self._rewrite_given_back(store)
         if self._to_dead:
