@@ -72,8 +72,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
 
     async def Txn(self, request: rpc_pb2.TxnRequest, context: Context) -> rpc_pb2.TxnResponse:
         try:
-            validation.check_txn(request, self.max_txn_ops)
-            validation.check_txn_puts(request, self.state.router.check_write)
+            validation.check_txn(request, self.max_txn_ops, self.state.router.check_write)
             if is_read_only(request):
                 await self.log.linearize()
                 resp = self.state.read_txn(request)

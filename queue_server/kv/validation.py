@@ -6,8 +6,8 @@ request etcd refuses up front is refused here up front and never reaches the log
 Checks that need state (does the lease exist, is the revision compacted) belong to
 `queue_server.kv.executor`, at apply time.
 
-After etcd's checks, the caller may add its own stateless checks of what a
-request writes (`check_txn_puts`): the API layer checks queue keys and queue
+After etcd's checks, the caller may add its own stateless check of what a
+Txn puts (`check_txn`'s `put_check`): the API layer checks queue keys and queue
 configs this way, so a malformed one is refused before it is proposed.
 """
 
@@ -19,6 +19,7 @@ from etcdserverpb import rpc_pb2
 from queue_server.errors import (
     DuplicateKey,
     EmptyKey,
+    EtcdError,
     KeyNotFound,
     LeaseProvided,
     TooManyOps,
@@ -45,54 +46,55 @@ def check_delete(r: rpc_pb2.DeleteRangeRequest) -> None:
         raise EmptyKey()
 
 
-def check_txn(r: rpc_pb2.TxnRequest, max_txn_ops: int) -> None:
-    """All of etcd's Txn checks, the overlap rule included."""
-    _check_txn_ops(r, max_txn_ops)
-    _check_intervals(r.success)
-    _check_intervals(r.failure)
-
-
 PutCheck = Callable[[bytes, bytes], None]
 """A stateless check of a put's key and value; raises an EtcdError to refuse it."""
 
 
-def check_txn_puts(r: rpc_pb2.TxnRequest, check: PutCheck) -> None:
-    """Run `check` on every put of `r`, in both branches and in nested txns,
-    so a txn is refused whole whichever branch its compares would choose."""
-    for op in (*r.success, *r.failure):
-        kind = op.WhichOneof("request")
-        if kind == "request_put":
-            check(op.request_put.key, op.request_put.value)
-        elif kind == "request_txn":
-            check_txn_puts(op.request_txn, check)
+def check_txn(r: rpc_pb2.TxnRequest, max_txn_ops: int, put_check: PutCheck | None = None) -> None:
+    """All of etcd's Txn checks, the overlap rule included; then `put_check` on
+    every put, in both branches and in nested txns (so a txn is refused whole
+    whichever branch its compares would choose). One walk over the ops; a put
+    `put_check` refuses is reported only if etcd's checks pass."""
+    refused: list[EtcdError] = []
+    _check_txn_ops(r, max_txn_ops, put_check, refused)
+    _check_intervals(r.success)
+    _check_intervals(r.failure)
+    if refused:
+        raise refused[0]
 
 
-def _check_txn_ops(r: rpc_pb2.TxnRequest, max_txn_ops: int) -> None:
+def _check_txn_ops(
+    r: rpc_pb2.TxnRequest,
+    max_txn_ops: int,
+    put_check: PutCheck | None,
+    refused: list[EtcdError],
+) -> None:
     ops = max(len(r.compare), len(r.success), len(r.failure))
     if ops > max_txn_ops:
         raise TooManyOps()
     for c in r.compare:
         if not c.key:
             raise EmptyKey()
-    for op in r.success:
-        _check_op(op, max_txn_ops - ops)
-    for op in r.failure:
-        _check_op(op, max_txn_ops - ops)
-
-
-def _check_op(op: rpc_pb2.RequestOp, max_txn_ops: int) -> None:
-    kind = op.WhichOneof("request")
-    if kind == "request_range":
-        check_range(op.request_range)
-    elif kind == "request_put":
-        check_put(op.request_put)
-    elif kind == "request_delete_range":
-        check_delete(op.request_delete_range)
-    elif kind == "request_txn":
-        _check_txn_ops(op.request_txn, max_txn_ops)
-    else:
-        # An empty RequestOp: etcd answers "key not found".
-        raise KeyNotFound()
+    for branch in (r.success, r.failure):
+        for op in branch:
+            kind = op.WhichOneof("request")
+            if kind == "request_range":
+                check_range(op.request_range)
+            elif kind == "request_put":
+                put = op.request_put
+                check_put(put)
+                if put_check is not None and not refused:
+                    try:
+                        put_check(put.key, put.value)
+                    except EtcdError as e:
+                        refused.append(e)
+            elif kind == "request_delete_range":
+                check_delete(op.request_delete_range)
+            elif kind == "request_txn":
+                _check_txn_ops(op.request_txn, max_txn_ops - ops, put_check, refused)
+            else:
+                # An empty RequestOp: etcd answers "key not found".
+                raise KeyNotFound()
 
 
 class _Deletes:
