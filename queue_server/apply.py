@@ -15,7 +15,7 @@ same `apply`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -30,7 +30,7 @@ from queue_server.keyspace.router import KeyspaceRouter
 from queue_server.kv.executor import KVExecutor, is_read_only
 from queue_server.lease.lessor import Lessor
 from queue_server.mq.state import Assignment, QueueState
-from queue_server.mvcc.store import Event, MVCCStore
+from queue_server.mvcc.store import CommittedRevisions, Event, KeyValue, MVCCStore
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,10 @@ class StateMachine:
     """Owns the MVCC store, the lease table and the queue keyspace; applies log
     commands in log order. `apply` returns each command's result and `Effects`."""
 
-    def __init__(self) -> None:
+    def __init__(self, backend: CommittedRevisions | None = None) -> None:
+        self.backend = backend
+        """Where checkpointed key revisions are read from (storage.backend), or
+        None: the whole store in memory (a cluster member, unit tests)."""
         self.lessor = Lessor()
         self.alarms = AlarmTable()
         self.auth = AuthStore()
@@ -117,9 +120,15 @@ class StateMachine:
         self.queues = QueueState()
         self.router = KeyspaceRouter([self.cqs, self.queues])
         self._effects = Effects()
-        self._use_store(MVCCStore())
+        self._use_store(MVCCStore(backend))
         self.applied_index = 0
         self.failed: ApplyFailed | None = None
+
+    def use_backend(self, backend: CommittedRevisions) -> None:
+        """Keep the key revisions in `backend` (before anything is applied)."""
+        assert self.applied_index == 0 and self.store.revision == 1, "state already built"
+        self.backend = backend
+        self._use_store(MVCCStore(backend))
 
     def _use_store(self, store: MVCCStore) -> None:
         self.store = store
@@ -253,10 +262,18 @@ class StateMachine:
 
     def export_state(self) -> dict[str, Any]:
         """Plain data describing the whole state, for a snapshot."""
+        state = self.export_sections()
+        state["mvcc"] = self.store.export_state()
+        return state
+
+    def export_sections(self) -> dict[str, Any]:
+        """`export_state` without the key histories (its mvcc part holds only the
+        revision and compaction revision): what a checkpoint writes beside the
+        key revisions it takes from `store.take_batch`."""
         return {
             "format": STATE_FORMAT,
             "applied_index": self.applied_index,
-            "mvcc": self.store.export_state(),
+            "mvcc": (self.store.revision, self.store.compact_revision, []),
             "leases": self.lessor.export_state(),
             "alarms": self.alarms.export_state(),
             "queues": self.queues.export_state(),
@@ -265,10 +282,21 @@ class StateMachine:
             "auth": self.auth.export_state(),
         }
 
-    def restore_state(self, state: dict[str, Any]) -> None:
+    def restore_state(
+        self,
+        state: dict[str, Any],
+        revisions: Iterator[tuple[int, bool, bytes, int]] | None = None,
+    ) -> None:
+        """Become `state` (an `export_state`, or an `export_sections` whose key
+        revisions come from `revisions`: the backend's scan, see
+        `MVCCStore.load_revisions`). From an exported state every key revision
+        is pending: the caller checkpoints them into the backend."""
         if state.get("format") != STATE_FORMAT:
             raise RuntimeError(f"snapshot format {state.get('format')!r} is not {STATE_FORMAT}")
-        self._use_store(MVCCStore.from_state(state["mvcc"]))
+        store = MVCCStore.from_state(state["mvcc"], self.backend)
+        if revisions is not None:
+            store.load_revisions(revisions)
+        self._use_store(store)
         self.lessor.restore_state(state["leases"], self.store)
         self.alarms.restore_state(state["alarms"])
         self.queues.restore_state(state["queues"], self.store)
@@ -277,6 +305,21 @@ class StateMachine:
         self.members = dict(state.get("members", {}))
         self.auth.restore_state(state.get("auth"))
         self.applied_index = state["applied_index"]
+
+    def checkpoint(self) -> tuple[int, dict[int, KeyValue], list[int], dict[str, Any]]:
+        """What a checkpoint writes, at the applied index: (index, key revisions
+        made since the last one, revisions compaction dropped, the sections).
+        The revisions stay readable until `checkpoint_done` or `checkpoint_failed`."""
+        writes, dropped = self.store.take_batch()
+        return self.applied_index, writes, dropped, self.export_sections()
+
+    def checkpoint_done(self) -> None:
+        """The backend holds the checkpoint and its reader sees it."""
+        self.store.batch_committed()
+
+    def checkpoint_failed(self, dropped: list[int]) -> None:
+        """The checkpoint was not written; its revisions are pending again."""
+        self.store.batch_failed(dropped)
 
 
 def _needs_space(kind: str | None, command: internal_pb2.Command, router: KeyspaceRouter) -> bool:

@@ -24,6 +24,7 @@ from collections.abc import Coroutine
 from typing import Any
 from urllib.parse import parse_qs
 
+import lmdb
 from google.protobuf.descriptor import ServiceDescriptor
 from grpc import aio
 
@@ -44,7 +45,7 @@ from queue_server.api.header import HeaderFiller
 from queue_server.api.kv import KVService
 from queue_server.api.lease import LeaseService
 from queue_server.api.lock import LockService
-from queue_server.api.maintenance import ClusterService, MaintenanceService
+from queue_server.api.maintenance import ClusterService, MaintenanceService, MemoryStateFiles
 from queue_server.api.observer import RpcObserver
 from queue_server.api.service_table import service_methods
 from queue_server.api.watch import WatchService
@@ -81,7 +82,8 @@ from queue_server.replication.driver import ClusterLog
 from queue_server.replication.membership import MemberInfo, Membership, member_id_for
 from queue_server.replication.peer_wire import PeerTransport
 from queue_server.replication.storage import RaftStorage
-from queue_server.storage.local_log import LocalLog
+from queue_server.storage.backend import DB_DIR, Backend
+from queue_server.storage.local_log import BackendBehindLogError, LocalLog
 from queue_server.storage.snapshot import CorruptSnapshotError
 from queue_server.storage.wal import WALCorruptError, WALGapError
 from queue_server.tls import (
@@ -278,6 +280,13 @@ class Server:
         if cfg.clustered:
             member_id, cluster_members = await self._open_cluster_log()
         else:
+            try:
+                backend = Backend(os.path.join(cfg.data_dir, DB_DIR), fsync=not cfg.unsafe_no_fsync)
+            except lmdb.Error as e:
+                raise StartupError(
+                    f"data dir {cfg.data_dir!r}: cannot open the backend: {e}"
+                ) from e
+            self.state.use_backend(backend)
             self.log = LocalLog(
                 cfg.data_dir,
                 self.applier,
@@ -290,7 +299,14 @@ class Server:
             self.log.recover()
         except OSError as e:
             raise StartupError(f"cannot read data dir {cfg.data_dir!r}: {e}") from e
-        except (CorruptSnapshotError, WALCorruptError, WALGapError, ApplyFailed) as e:
+        except (
+            CorruptSnapshotError,
+            WALCorruptError,
+            WALGapError,
+            BackendBehindLogError,
+            ApplyFailed,
+            lmdb.Error,
+        ) as e:
             # Never serve a state that may be missing acknowledged writes.
             raise StartupError(f"data dir {cfg.data_dir!r} is damaged: {e}") from e
         if isinstance(self.log, LocalLog):
@@ -406,7 +422,9 @@ class Server:
                     self.log,
                     header,
                     lambda: _dir_size(cfg.data_dir),
-                    self.log.snapshot_now,
+                    self.log
+                    if isinstance(self.log, LocalLog)
+                    else MemoryStateFiles(self.state, self.log.snapshot_now),
                     membership.leader_id,
                 ),
             ),

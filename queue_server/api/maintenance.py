@@ -1,10 +1,12 @@
 """The etcdserverpb.Maintenance service and etcdserverpb.Cluster (MemberList).
 
 Maintenance: Status, Alarm (GET is a local read; ACTIVATE/DEACTIVATE go through
-the log), Defragment (takes a snapshot and trims the log: our equivalent of
-giving space back), Hash/HashKV (a checksum of the kept history), Snapshot (an etcd backend
-database of our state, which `etcdctl snapshot restore` and `queue-server
-restore` turn into a data dir).
+the log), Defragment (the backend file rewritten without free pages, or on a
+cluster member a snapshot that trims the log), Hash/HashKV (a checksum of the
+kept history), Snapshot (an etcd backend database of our state, which `etcdctl
+snapshot restore` and `queue-server restore` turn into a data dir). The last
+three go through `StateFiles`: on one node the local log does them on a thread
+from a backend read transaction, so the loop serves meanwhile.
 MoveLeader and Downgrade answer UNIMPLEMENTED until there is a cluster.
 """
 
@@ -14,7 +16,7 @@ import asyncio
 import hashlib
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import IO, Protocol, TypeVar
 
 from etcdserverpb import internal_pb2, rpc_pb2, rpc_pb2_grpc
 from queue_server.alarms import alarm_name
@@ -29,6 +31,45 @@ from queue_server.storage.snapshot import SHA256_BYTES
 from queue_server.transport.methods import Call
 
 Context = Call
+
+
+class StateFiles(Protocol):
+    """Who makes the whole-state operations of this member: the local log (on
+    its backend) or `MemoryStateFiles` (a cluster member's state in memory)."""
+
+    async def defragment(self) -> None: ...
+
+    async def hash_kv(self, revision: int) -> int:
+        """The store's checksum at `revision` (checked already; 0: now)."""
+        ...
+
+    async def export_etcd_db(self, fileobj: IO[bytes]) -> int:
+        """The state as an etcd backend database into `fileobj`; its size."""
+        ...
+
+
+class MemoryStateFiles:
+    """`StateFiles` of a state machine held in memory: the export is taken on
+    the loop, the file written on a thread."""
+
+    def __init__(self, state: StateMachine, compact_log: Callable[[], Awaitable[None]]) -> None:
+        self.state = state
+        self.compact_log = compact_log
+
+    async def defragment(self) -> None:
+        await self.compact_log()
+
+    async def hash_kv(self, revision: int) -> int:
+        return self.state.store.hash_kv(revision)
+
+    async def export_etcd_db(self, fileobj: IO[bytes]) -> int:
+        index = self.state.applied_index
+        state = self.state.export_state()
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: etcd_backend.write_etcd_db(fileobj, index, state)
+        )
+
+
 _MembersResponse = TypeVar(
     "_MembersResponse",
     rpc_pb2.MemberListResponse,
@@ -52,14 +93,14 @@ class MaintenanceService(rpc_pb2_grpc.MaintenanceServicer):
         log: Proposer,
         header: HeaderFiller,
         db_size: Callable[[], int],
-        compact_log: Callable[[], Awaitable[None]],
+        files: StateFiles,
         leader_of: Callable[[], int] | None = None,
     ) -> None:
         self.state = state
         self.log = log
         self.header = header
         self.db_size = db_size
-        self.compact_log = compact_log
+        self.files = files
         self.leader_of = leader_of
 
     async def Status(
@@ -96,13 +137,13 @@ class MaintenanceService(rpc_pb2_grpc.MaintenanceServicer):
     async def Defragment(
         self, request: rpc_pb2.DefragmentRequest, context: Context
     ) -> rpc_pb2.DefragmentResponse:
-        await self.compact_log()
+        await self.files.defragment()
         resp = rpc_pb2.DefragmentResponse()
         self.header.fill(resp.header)
         return resp
 
     async def Hash(self, request: rpc_pb2.HashRequest, context: Context) -> rpc_pb2.HashResponse:
-        resp = rpc_pb2.HashResponse(hash=self.state.store.hash_kv())
+        resp = rpc_pb2.HashResponse(hash=await self.files.hash_kv(0))
         self.header.fill(resp.header)
         return resp
 
@@ -111,7 +152,8 @@ class MaintenanceService(rpc_pb2_grpc.MaintenanceServicer):
     ) -> rpc_pb2.HashKVResponse:
         store = self.state.store
         try:
-            value = store.hash_kv(request.revision)
+            store.check_revision(request.revision)
+            value = await self.files.hash_kv(request.revision)
         except EtcdError as e:
             await abort(context, e)
         resp = rpc_pb2.HashKVResponse(hash=value, compact_revision=store.compact_revision)
@@ -127,13 +169,9 @@ class MaintenanceService(rpc_pb2_grpc.MaintenanceServicer):
         `etcdctl snapshot status/restore` read it, and so does `queue-server
         restore`. It is built in a temporary file, so memory holds the exported
         state and one chunk, not the database."""
-        index = self.state.applied_index
-        state = self.state.export_state()
-        loop = asyncio.get_running_loop()
         with tempfile.TemporaryFile() as db:
-            total = await loop.run_in_executor(
-                None, lambda: etcd_backend.write_etcd_db(db, index, state) + SHA256_BYTES
-            )
+            total = await self.files.export_etcd_db(db) + SHA256_BYTES
+            loop = asyncio.get_running_loop()
             db.seek(0)
             digest = hashlib.sha256()
             sent = 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from queue_server.errors import LeaseExists, LeaseNotFound, LeaseTTLTooLarge
-from queue_server.mvcc.store import ALL_KEYS_END, Event, MVCCStore
+from queue_server.mvcc.store import Event, MVCCStore
 
 MAX_LEASE_TTL = 9_000_000_000
 """etcd's MaxLeaseTTL, in seconds."""
@@ -96,8 +96,7 @@ class Lessor:
     def restore_state(self, state: list[tuple[int, int]], store: MVCCStore) -> None:
         """Rebuild the table; attached keys come from the store's current keys."""
         self.leases = {lease_id: Lease(lease_id, ttl) for lease_id, ttl in state}
-        for kv in store.range(b"\x00", ALL_KEYS_END).kvs:
-            if kv.lease:
-                lease = self.leases.get(kv.lease)
-                if lease is not None:
-                    lease.keys.add(kv.key)
+        for key, lease_id in store.leased_keys():
+            lease = self.leases.get(lease_id)
+            if lease is not None:
+                lease.keys.add(key)

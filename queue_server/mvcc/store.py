@@ -30,6 +30,19 @@ Compaction at revision C forgets what no read at C or later can see: for each ke
 every change made before the last change at or before C. That last change is kept
 if it is a put (reads at C see it) and dropped if it is a tombstone; a key left
 with no history leaves the index. Reads below C fail with `Compacted`.
+
+Where the values live (etcd's treeIndex and backend)
+----------------------------------------------------
+The index in memory holds, per key, only the positions of its changes (as
+`entry codes`, `position << 1 | tombstone`), as etcd's treeIndex holds only
+revisions. A change's `KeyValue` is in one of three places: `_pending` (made
+since the last checkpoint), `_committing` (handed to a checkpoint being
+written), or the committed revisions behind `CommittedRevisions` (the LMDB
+backend, `storage/backend.py`, read through the loop's read transaction).
+`take_batch` moves `_pending` to `_committing` and returns it for the
+checkpoint; `batch_committed` drops `_committing` once the backend holds it
+and its reader sees it. A store with no committed revisions (unit tests, a
+cluster member) keeps every value in `_pending`: the whole store in memory.
 """
 
 from __future__ import annotations
@@ -37,7 +50,8 @@ from __future__ import annotations
 import zlib
 from bisect import bisect_right
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol
 
 from sortedcontainers import SortedDict
 
@@ -74,57 +88,28 @@ RECORD_OVERHEAD_BYTES = 64
 """What one history entry costs besides its value, in the store's size estimate."""
 
 
-@dataclass(slots=True)
-class KeyHistory:
-    """Every change of one key not yet compacted away, oldest first.
+def _tomb(code: int) -> bool:
+    return bool(code & 1)
 
-    Invariant: `positions` is strictly ascending (see `position`) and has one entry
-    per entry of `changes`; a change is a `KeyValue` or None for a tombstone.
-    """
 
-    positions: list[int] = field(default_factory=list)
-    changes: list[KeyValue | None] = field(default_factory=list)
+class CommittedRevisions(Protocol):
+    """The key revisions a checkpoint made durable (storage.backend.Backend).
+    `get_kv` answers, on the event loop, the put at a position that is
+    committed; `in_use_bytes` is what the file's pages hold."""
 
-    def at(self, revision: int) -> KeyValue | None:
-        """The key's value as of `revision`, or None if it did not exist then."""
-        bound = position(revision)
-        if self.positions[-1] <= bound:
-            return self.changes[-1]
-        i = bisect_right(self.positions, bound)
-        return self.changes[i - 1] if i else None
+    def get_kv(self, position: int) -> KeyValueFields: ...
 
-    def compact(self, revision: int) -> int:
-        """Drop the changes no read at `revision` or later can see; returns the
-        bytes of values dropped (for the size estimate)."""
-        i = bisect_right(self.positions, position(revision))
-        if i == 0:
-            return 0
-        keep_from = i - 1 if self.changes[i - 1] is not None else i
-        if not keep_from:
-            return 0
-        dropped = sum(len(kv.value) for kv in self.changes[:keep_from] if kv is not None)
-        dropped += keep_from * RECORD_OVERHEAD_BYTES
-        del self.positions[:keep_from]
-        del self.changes[:keep_from]
-        return dropped
+    @property
+    def in_use_bytes(self) -> int: ...
 
-    def events_between(self, key: bytes, after: int, upto: int) -> list[tuple[int, Event]]:
-        """(position, event) for each change made at a revision in (after, upto]."""
-        start = bisect_right(self.positions, position(after))
-        out: list[tuple[int, Event]] = []
-        positions, changes = self.positions, self.changes
-        for i in range(start, len(positions)):
-            pos = positions[i]
-            revision = pos >> SUB_BITS
-            if revision > upto:
-                break
-            prev = changes[i - 1] if i else None
-            kv = changes[i]
-            if kv is None:
-                out.append((pos, Event(True, KeyValue(key, 0, revision, 0, b"", 0), prev)))
-            else:
-                out.append((pos, Event(False, kv, prev)))
-        return out
+
+class KeyValueFields(Protocol):
+    key: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    value: bytes
+    lease: int
 
 
 @dataclass(slots=True)
@@ -154,27 +139,45 @@ ALL_KEYS_END = b""
 """`end` for "every key from `key` on": etcd's "\\0" range_end after translation."""
 
 
+def _at(codes: list[int], revision: int) -> int | None:
+    """The entry code of the last change at or before `revision`, or None."""
+    bound = position(revision) << 1 | 1
+    if codes[-1] <= bound:
+        return codes[-1]
+    i = bisect_right(codes, bound)
+    return codes[i - 1] if i else None
+
+
 class MVCCStore:
     """The key space with its history; the only owner of revisions.
 
     Writes go through `write()`, which returns a `WriteTxn`; every change made in one
     `WriteTxn` carries the same revision, and the store's revision moves once, when
     the transaction ends, if anything changed.
+
+    Invariant: every key of `_index` has a non-empty, strictly ascending list of
+    entry codes, and every code's KeyValue is in `_pending`, `_committing` or
+    `committed` (tombstones too, so a checkpoint can write them).
     """
 
-    def __init__(self) -> None:
-        self._index: SortedDict = SortedDict()  # bytes -> KeyHistory
+    def __init__(self, committed: CommittedRevisions | None = None) -> None:
+        self._index: SortedDict = SortedDict()  # bytes -> list[int] of entry codes
+        self._pending: dict[int, KeyValue] = {}
+        self._committing: dict[int, KeyValue] = {}
+        self._dropped: list[int] = []  # committed codes compaction removed
+        self.committed = committed
         # Called with (revision, events) after each write transaction that changed
-        # something; the watch hub subscribes here.
+        # something; the state machine subscribes here.
         self.on_commit: Callable[[int, list[Event]], None] | None = None
         self.revision = 1
         # etcd's compactMainRev: -1 until the first compaction, so that
         # Compact(0) succeeds once on a fresh store, as in etcd.
         self.compact_revision = -1
         self._key_count = 0  # keys whose latest change is a put
-        # Estimated bytes held: values and keys of every change kept, plus a fixed
-        # cost per change. The quota (--quota-backend-bytes) is checked against it.
-        self.size_bytes = 0
+        # Estimated bytes of what is not in committed pages: keys, values and a
+        # fixed cost per change (all of it when nothing is committed).
+        self._pending_bytes = 0
+        self._scanned_leases: dict[bytes, int] | None = None
 
     # -- reads ----------------------------------------------------------------
 
@@ -183,13 +186,37 @@ class MVCCStore:
         """How many keys exist now (tombstoned keys not counted)."""
         return self._key_count
 
-    def _histories(self, key: bytes, end: bytes | None) -> Iterator[tuple[bytes, KeyHistory]]:
-        """The histories of keys in [key, end); `end` None means just `key`,
+    @property
+    def size_bytes(self) -> int:
+        """What the quota (--quota-backend-bytes) is checked against: the
+        backend's pages in use plus an estimate of what is not yet checkpointed."""
+        committed = self.committed.in_use_bytes if self.committed is not None else 0
+        return committed + self._pending_bytes
+
+    @property
+    def pending_bytes(self) -> int:
+        """Estimated bytes of key revisions not yet handed to a checkpoint."""
+        return self._pending_bytes
+
+    def _load(self, code: int) -> KeyValue:
+        """The KeyValue of the put with entry `code`."""
+        kv = self._pending.get(code)
+        if kv is not None:
+            return kv
+        kv = self._committing.get(code)
+        if kv is not None:
+            return kv
+        assert self.committed is not None, f"no value for entry {code:#x}"
+        f = self.committed.get_kv(code >> 1)
+        return KeyValue(f.key, f.create_revision, f.mod_revision, f.version, f.value, f.lease)
+
+    def _histories(self, key: bytes, end: bytes | None) -> Iterator[tuple[bytes, list[int]]]:
+        """The entry codes of keys in [key, end); `end` None means just `key`,
         `ALL_KEYS_END` means no upper bound."""
         if end is None:
-            history = self._index.get(key)
-            if history is not None:
-                yield key, history
+            codes = self._index.get(key)
+            if codes is not None:
+                yield key, codes
             return
         if end != ALL_KEYS_END and end <= key:
             return
@@ -224,13 +251,14 @@ class MVCCStore:
         kvs: list[KeyValue] = []
         count = 0
         current = rev == self.revision
-        for _, history in self._histories(key, end):
-            kv = history.changes[-1] if current else history.at(rev)
-            if kv is None:
+        load = self._load
+        for _, codes in self._histories(key, end):
+            code = codes[-1] if current else _at(codes, rev)
+            if code is None or code & 1:
                 continue
             count += 1
             if not count_only and (limit <= 0 or len(kvs) < limit):
-                kvs.append(kv)
+                kvs.append(load(code))
         return RangeResult(kvs, count, self.revision)
 
     def events_between(self, key: bytes, end: bytes | None, after: int, upto: int) -> list[Event]:
@@ -238,16 +266,33 @@ class MVCCStore:
         in the order they were made: what a watcher that missed them must receive.
         `after` must not be below the compaction revision."""
         found: list[tuple[int, Event]] = []
-        for k, history in self._histories(key, end):
-            if history.positions[-1] > position(after):
-                found.extend(history.events_between(k, after, upto))
-        found.sort(key=lambda pe: pe[0])
+        after_code = position(after) << 1 | 1
+        load = self._load
+        for k, codes in self._histories(key, end):
+            if codes[-1] <= after_code:
+                continue
+            start = bisect_right(codes, after_code)
+            for i in range(start, len(codes)):
+                code = codes[i]
+                revision = code >> (SUB_BITS + 1)
+                if revision > upto:
+                    break
+                prev_code = codes[i - 1] if i else None
+                prev = load(prev_code) if prev_code is not None and not prev_code & 1 else None
+                if code & 1:
+                    event = Event(True, KeyValue(k, 0, revision, 0, b"", 0), prev)
+                else:
+                    event = Event(False, load(code), prev)
+                found.append((code, event))
+        found.sort(key=lambda ce: ce[0])
         return [e for _, e in found]
 
     def get(self, key: bytes) -> KeyValue | None:
         """The key's current value, or None."""
-        history = self._index.get(key)
-        return history.changes[-1] if history is not None else None
+        codes = self._index.get(key)
+        if codes is None or codes[-1] & 1:
+            return None
+        return self._load(codes[-1])
 
     # -- writes ---------------------------------------------------------------
 
@@ -256,52 +301,54 @@ class MVCCStore:
         return WriteTxn(self)
 
     def _put(self, key: bytes, value: bytes, lease: int, revision: int, sub: int) -> Event:
-        history = self._index.get(key)
-        if history is None:
-            history = KeyHistory()
-            self._index[key] = history
-            self.size_bytes += len(key)
-        self.size_bytes += len(value) + RECORD_OVERHEAD_BYTES
-        prev = history.changes[-1] if history.changes else None
-        if prev is None:
+        codes = self._index.get(key)
+        if codes is None:
+            codes = self._index[key] = []
+        last = codes[-1] if codes else 1
+        if last & 1:  # no key, or a tombstone: a new generation
+            prev = None
             kv = KeyValue(key, revision, revision, 1, value, lease)
             self._key_count += 1
         else:
+            prev = self._load(last)
             kv = KeyValue(key, prev.create_revision, revision, prev.version + 1, value, lease)
-        history.positions.append(position(revision, sub))
-        history.changes.append(kv)
+        code = position(revision, sub) << 1
+        codes.append(code)
+        self._pending[code] = kv
+        self._pending_bytes += len(key) + len(value) + RECORD_OVERHEAD_BYTES
         return Event(False, kv, prev)
 
     def _delete(self, key: bytes, end: bytes | None, revision: int, sub: int) -> list[Event]:
         events: list[Event] = []
-        for k, history in self._histories(key, end):
-            prev = history.changes[-1]
-            if prev is None:
+        for k, codes in self._histories(key, end):
+            last = codes[-1]
+            if last & 1:
                 continue
-            history.positions.append(position(revision, sub + len(events)))
-            history.changes.append(None)
+            prev = self._load(last)
+            code = position(revision, sub + len(events)) << 1 | 1
+            codes.append(code)
+            tombstone = KeyValue(k, 0, revision, 0, b"", 0)
+            self._pending[code] = tombstone
             self._key_count -= 1
-            self.size_bytes += RECORD_OVERHEAD_BYTES
-            events.append(Event(True, KeyValue(k, 0, revision, 0, b"", 0), prev))
+            self._pending_bytes += len(k) + RECORD_OVERHEAD_BYTES
+            events.append(Event(True, tombstone, prev))
         return events
 
     def _undo(self, events: list[Event]) -> None:
         """Take back the history entries `events` appended (an aborted write)."""
         for e in reversed(events):
             key = e.kv.key
-            history = self._index[key]
-            history.positions.pop()
-            change = history.changes.pop()
-            self.size_bytes -= RECORD_OVERHEAD_BYTES
-            if change is not None:
-                self.size_bytes -= len(change.value)
+            codes = self._index[key]
+            code = codes.pop()
+            kv = self._pending.pop(code)
+            self._pending_bytes -= len(key) + len(kv.value) + RECORD_OVERHEAD_BYTES
+            if not code & 1:
                 if e.prev_kv is None:
                     self._key_count -= 1
             else:
                 self._key_count += 1
-            if not history.changes:
+            if not codes:
                 del self._index[key]
-                self.size_bytes -= len(key)
 
     # -- compaction -----------------------------------------------------------
 
@@ -312,28 +359,106 @@ class MVCCStore:
         if revision > self.revision:
             raise FutureRevision()
         self.compact_revision = revision
+        bound = position(revision) << 1 | 1
         emptied: list[bytes] = []
-        for key, history in self._index.items():
-            self.size_bytes -= history.compact(revision)
-            if not history.changes:
+        for key, codes in self._index.items():
+            if codes[0] > bound:
+                continue
+            i = bisect_right(codes, bound)
+            keep_from = i if codes[i - 1] & 1 else i - 1
+            if not keep_from:
+                continue
+            for code in codes[:keep_from]:
+                self._drop(key, code)
+            del codes[:keep_from]
+            if not codes:
                 emptied.append(key)
         for key in emptied:
             del self._index[key]
-            self.size_bytes -= len(key)
+
+    def _drop(self, key: bytes, code: int) -> None:
+        kv = self._pending.pop(code, None)
+        if kv is not None:
+            self._pending_bytes -= len(key) + len(kv.value) + RECORD_OVERHEAD_BYTES
+        else:  # committed, or being committed: the next checkpoint deletes it
+            self._dropped.append(code)
 
     def hash_kv(self, revision: int = 0) -> int:
         """A checksum of every change kept at or below `revision` (0: now), for
-        comparing replicas (HashKV). Equal histories give equal hashes."""
-        bound = position(self.check_revision(revision))
+        comparing replicas (HashKV): over the changes in revision order, as
+        `storage.backend` computes it from the file. Equal histories give equal
+        hashes."""
+        bound = position(self.check_revision(revision)) << 1 | 1
+        changes = [
+            (code, key) for key, codes in self._index.items() for code in codes if code <= bound
+        ]
+        changes.sort()
         h = zlib.crc32(b"key")  # like etcd, which starts with its bucket name: never 0
-        for key, history in self._index.items():
-            for pos, kv in zip(history.positions, history.changes, strict=True):
-                if pos > bound:
-                    break
-                h = zlib.crc32(key, h)
-                h = zlib.crc32(pos.to_bytes(12, "big"), h)
-                h = zlib.crc32(b"\x00" if kv is None else b"\x01" + kv.value, h)
+        for code, key in changes:
+            h = hash_change(h, key, code, None if code & 1 else self._load(code).value)
         return h
+
+    # -- checkpoints ----------------------------------------------------------
+
+    def take_batch(self) -> tuple[dict[int, KeyValue], list[int]]:
+        """What a checkpoint must write: the changes made since the last one
+        (entry code -> KeyValue, tombstones too) and the committed codes
+        compaction dropped. They stay readable here until `batch_committed`."""
+        assert not self._committing, "a checkpoint is already being written"
+        batch, dropped = self._pending, self._dropped
+        self._committing, self._pending, self._dropped = batch, {}, []
+        self._pending_bytes = 0
+        return batch, dropped
+
+    def batch_committed(self) -> None:
+        """The backend holds the batch `take_batch` gave and its reader sees it."""
+        self._committing = {}
+
+    def batch_failed(self, dropped: list[int]) -> None:
+        """The checkpoint was not written (a full disk): its changes and drops
+        (`dropped`, as `take_batch` gave them) go back to pending, ahead of what
+        was made since; what compaction dropped meanwhile is not written at all."""
+        batch, self._committing = self._committing, {}
+        since = []
+        for code in self._dropped:
+            if batch.pop(code, None) is None:
+                since.append(code)
+        batch.update(self._pending)
+        self._pending = batch
+        self._dropped = dropped + since
+        self._pending_bytes = sum(
+            len(kv.key) + len(kv.value) + RECORD_OVERHEAD_BYTES for kv in batch.values()
+        )
+
+    def load_revisions(self, revisions: Iterator[tuple[int, bool, bytes, int]]) -> None:
+        """Rebuild the index from the committed revisions in revision order
+        (position, tombstone, key, lease): a restart's one scan of the backend.
+        The leases of the current keys are kept for `leased_keys`."""
+        index: dict[bytes, list[int]] = {}
+        leased: dict[bytes, int] = {}
+        for pos, tombstone, key, lease in revisions:
+            codes = index.get(key)
+            if codes is None:
+                codes = index[key] = []
+            codes.append(pos << 1 | tombstone)
+            if lease and not tombstone:
+                leased[key] = lease
+            elif key in leased:
+                del leased[key]
+        self._index = SortedDict(index)
+        self._key_count = sum(1 for codes in index.values() if not codes[-1] & 1)
+        self._scanned_leases = leased
+
+    def leased_keys(self) -> Iterator[tuple[bytes, int]]:
+        """(key, lease) of every current key attached to a lease (the lease
+        table's rebuild), from the restart's scan when there was one."""
+        scanned, self._scanned_leases = self._scanned_leases, None
+        if scanned is not None:
+            yield from scanned.items()
+            return
+        for kv in self.range(b"\x00", ALL_KEYS_END).kvs:
+            if kv.lease:
+                yield kv.key, kv.lease
 
     # -- snapshots ------------------------------------------------------------
 
@@ -344,14 +469,18 @@ class MVCCStore:
     ]:
         """Everything the store holds as plain tuples (for a snapshot)."""
         keys = []
-        for key, history in self._index.items():
-            changes = [
-                None
-                if kv is None
-                else (kv.create_revision, kv.mod_revision, kv.version, kv.value, kv.lease)
-                for kv in history.changes
-            ]
-            keys.append((key, list(history.positions), changes))
+        load = self._load
+        for key, codes in self._index.items():
+            changes: list[tuple[int, int, int, bytes, int] | None] = []
+            for code in codes:
+                if code & 1:
+                    changes.append(None)
+                else:
+                    kv = load(code)
+                    changes.append(
+                        (kv.create_revision, kv.mod_revision, kv.version, kv.value, kv.lease)
+                    )
+            keys.append((key, [code >> 1 for code in codes], changes))
         return self.revision, self.compact_revision, keys
 
     @classmethod
@@ -360,28 +489,42 @@ class MVCCStore:
         state: tuple[
             int, int, list[tuple[bytes, list[int], list[tuple[int, int, int, bytes, int] | None]]]
         ],
+        committed: CommittedRevisions | None = None,
     ) -> MVCCStore:
-        """The inverse of `export_state`."""
-        store = cls()
+        """The inverse of `export_state`: every change pending (the caller
+        checkpoints it into the backend)."""
+        store = cls(committed)
         store.revision, store.compact_revision, keys = state
         items = []
+        pending = store._pending
+        size = 0
         for key, positions, changes in keys:
-            history = KeyHistory(
-                positions,
-                [
-                    None if c is None else KeyValue(key, c[0], c[1], c[2], c[3], c[4])
-                    for c in changes
-                ],
-            )
-            if history.changes[-1] is not None:
+            codes = []
+            for pos, c in zip(positions, changes, strict=True):
+                if c is None:
+                    code = pos << 1 | 1
+                    pending[code] = KeyValue(key, 0, pos >> SUB_BITS, 0, b"", 0)
+                    size += len(key) + RECORD_OVERHEAD_BYTES
+                else:
+                    code = pos << 1
+                    pending[code] = KeyValue(key, c[0], c[1], c[2], c[3], c[4])
+                    size += len(key) + len(c[3]) + RECORD_OVERHEAD_BYTES
+                codes.append(code)
+            if not codes[-1] & 1:
                 store._key_count += 1
-            store.size_bytes += len(key) + sum(
-                RECORD_OVERHEAD_BYTES + (len(kv.value) if kv is not None else 0)
-                for kv in history.changes
-            )
-            items.append((key, history))
+            items.append((key, codes))
+        store._pending_bytes = size
         store._index = SortedDict(items)
+        # Revision order, as a checkpoint writes and the backend reads back.
+        store._pending = dict(sorted(pending.items()))
         return store
+
+
+def hash_change(h: int, key: bytes, code: int, value: bytes | None) -> int:
+    """The HashKV checksum `h` extended by one change (`value` None: a tombstone)."""
+    h = zlib.crc32(key, h)
+    h = zlib.crc32((code >> 1).to_bytes(12, "big"), h)
+    return zlib.crc32(b"\x00" if value is None else b"\x01" + value, h)
 
 
 class WriteTxn:

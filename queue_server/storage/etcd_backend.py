@@ -39,7 +39,7 @@ import io
 import json
 import struct
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
 from google.protobuf.message import DecodeError
@@ -209,12 +209,16 @@ def write_etcd_db(
     *,
     raft_term: int = 0,
     voters: tuple[int, ...] = (),
+    key_items: Iterable[tuple[bytes, bytes]] | None = None,
 ) -> int:
     """Write `state` (an `export_state()` at applied index `index`) to the
-    empty, seekable `fileobj` as an etcd backend database; returns its size."""
+    empty, seekable `fileobj` as an etcd backend database; returns its size.
+    `key_items`, when given, is the `key` bucket itself in revision order
+    (the LMDB backend's `key` db, which has etcd's layout), and the state's own
+    key histories are not used."""
     _, compact_revision, keys = state["mvcc"]  # etcd derives its revision from the keys
     writer = BoltWriter(fileobj)
-    writer.bucket(b"key", _key_bucket(keys))
+    writer.bucket(b"key", _key_bucket(keys) if key_items is None else key_items)
     meta = [(b"consistent_index", _REV.pack(index))]
     if compact_revision != NEVER_COMPACTED:
         rev = revision_key(compact_revision, 0)

@@ -15,12 +15,19 @@ batch's write and meanwhile applies the durable one in index order on the event
 loop and resolves each proposal's future. Nothing is applied before it is durable, so
 no reader ever sees a write that a crash could take back.
 
-Every `snapshot_count` applied entries the state is exported on the loop and
-written by the same writer thread (after the batch, before the next), the log
-rotates to a new segment, and segments the snapshot covers are deleted. Startup
-loads the newest snapshot and replays the log after it. If the newest snapshot
-fails its checksum, an older one is used only if the log still holds every
-record after it (otherwise startup is refused): the same state, provably.
+The applied state lives in the LMDB backend (`storage/backend.py`). Every
+`snapshot_count` applied entries, or once `CHECKPOINT_BYTES` of key revisions
+wait, a checkpoint takes the store's pending revisions and the other sections
+(on the loop: the queues, CQS, leases, auth, members and alarms, not the key
+space) and the backend thread writes them in one LMDB transaction with the
+applied index, fsynced. Meanwhile the loop goes on applying and serving: the
+revisions being written stay readable in memory until the loop's reader sees
+them. When the checkpoint is durable, the WAL writer rotates the log and
+deletes the segments it covers. Startup opens the backend, rebuilds the
+in-memory index by one scan, and replays the WAL after the backend's
+consistent index. A data dir of the earlier format (snapshot files, `snap/`)
+is read once the old way, checkpointed into the backend, and its `snap/` is
+renamed `snap.converted`.
 
 A full disk is an expected condition, not a crash: the WAL cuts off the partial
 write, the batch and everything pending fail with etcd's `NoSpace`, and
@@ -28,32 +35,55 @@ write, the batch and everything pending fail with etcd's `NoSpace`, and
 no room for it) puts the state machine in capped mode until an operator frees
 space and disarms. Any other write or fsync error stops all writes for good.
 
-Only bytes cross to the writer thread; all state stays on the event loop.
+Only bytes cross to the WAL writer thread; the backend thread gets the
+checkpoint's revisions and plain-data sections, which the loop no longer
+touches (the store hands them over and keeps only reads of them).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import time
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
-from etcdserverpb import internal_pb2
+import lmdb
+
+from etcdserverpb import internal_pb2, kv_pb2
 from queue_server.apply import Applier, ApplyFailed, ApplyResult
 from queue_server.errors import NoSpace, RequestTooLarge, ServerStopped, TooManyRequests
+from queue_server.mvcc.store import hash_change, position
+from queue_server.storage import etcd_backend, snapshot
+from queue_server.storage.backend import DB_DIR, Backend, CommitBatch, KeyValueFields
 from queue_server.storage.snapshot import CorruptSnapshotError, SnapshotStore
 from queue_server.storage.wal import WALFullError, WALGapError, WriteAheadLog
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SNAPSHOT_COUNT = 100_000
-"""Applied entries between snapshots: etcd 3.5's --snapshot-count default. It
+"""Applied entries between checkpoints: etcd 3.5's --snapshot-count default. It
 bounds replay time at restart and the log's size on disk."""
+
+CHECKPOINT_BYTES = 64 << 20
+"""Estimated bytes of key revisions waiting in memory past which a checkpoint
+starts before `snapshot_count` entries: bounds the memory a load of large
+values holds between checkpoints (etcd's backend commits every 100 ms or
+10,000 writes; ours is bounded by bytes and entries instead, since each
+checkpoint also writes the queue sections)."""
+
+
+class BackendBehindLogError(RuntimeError):
+    """The backend and the WAL do not meet: the backend is older than the WAL's
+    first record, or ahead of its last one. Starting would serve a state with
+    writes missing or doubled."""
+
 
 ENTRY_HEADER_BYTES = 14
 """etcd measures a request against --max-request-bytes as its whole raft entry,
@@ -100,7 +130,8 @@ class _Proposal:
 
 
 class LocalLog:
-    """A durable log on one node, feeding one `StateMachine`."""
+    """A durable log on one node, feeding one `StateMachine` whose state lives
+    in `backend` (the state machine's own)."""
 
     def __init__(
         self,
@@ -113,65 +144,125 @@ class LocalLog:
     ) -> None:
         self.applier = applier
         self.state_machine = applier.state
+        backend = applier.state.backend
+        if backend is None:  # the state machine is new: its backend is in the data dir
+            backend = Backend(os.path.join(data_dir, DB_DIR), fsync=fsync)
+            applier.state.use_backend(backend)
+        if not isinstance(backend, Backend):
+            raise TypeError("the local log needs a state machine on a storage.backend.Backend")
+        self.backend = backend
+        self.data_dir = data_dir
         self.max_request_bytes = max_request_bytes
         self.snapshot_count = snapshot_count
+        self.fsync = fsync
         self.wal = WriteAheadLog(os.path.join(data_dir, "wal"), fsync=fsync)
-        self.snapshots = SnapshotStore(os.path.join(data_dir, "snap"), fsync=fsync)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wal-writer")
+        self._backend_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="backend")
         self._pending: list[_Proposal] = []
         self._flusher: asyncio.Task[None] | None = None
         self._next_index = 0
-        self._snapshot_index = 0
-        self._next_snapshot_at = snapshot_count  # applied index of the next snapshot
+        self._checkpoint_index = 0  # the backend's consistent index
+        self._checkpoint: asyncio.Task[bool] | None = None  # one in flight at a time
+        self._checkpoints_held = 0  # a defragment copies the file meanwhile
         self._failed: BaseException | None = None
-        self._snapshotting = False  # the writer thread owns the WAL files meanwhile
+        self._wal_job = False  # the writer thread owns the WAL files meanwhile
         self._closed = False
         self.commits = 0  # group commits done: batches written and fsynced
+        self.checkpoints = 0  # backend checkpoints committed
         self.on_no_space: Callable[[], None] | None = None
         """Called on the loop when a write found the disk full."""
 
     # -- startup --------------------------------------------------------------
 
     def recover(self) -> None:
-        """Load the newest snapshot and replay the log after it (blocking; call
-        before serving)."""
+        """Open the backend's state, or convert a data dir of snapshot files,
+        then replay the log after it (blocking; call before serving)."""
         started = time.monotonic()
-        loaded, broken = self.snapshots.load_usable()
-        for error in broken:
-            log.error("snapshot refused error=%r", str(error))
-        if loaded is not None:
-            self._snapshot_index = loaded.index
-            self.state_machine.restore_state(loaded.state)
+        sm = self.state_machine
+        backend = self.backend
+        start = backend.consistent_index
+        legacy = os.path.join(self.data_dir, "snap")
+        converted = False
+        broken: list[CorruptSnapshotError] = []
+        snaps: SnapshotStore | None = None
+        if start:
+            image = backend.sections()
+            if image is None:
+                raise CorruptSnapshotError(f"{backend.path}: a consistent index but no sections")
+            contents = snapshot.decode(image, os.path.join(backend.path, "sections"))
+            sm.restore_state(contents.state, backend.scan_keys())
+        elif os.path.isdir(legacy):
+            snaps = SnapshotStore(legacy, fsync=self.fsync)
+            loaded, broken = snaps.load_usable()
+            for error in broken:
+                log.error("snapshot refused error=%r", str(error))
+            if loaded is not None:
+                start = loaded.index
+                sm.restore_state(loaded.state)
+                converted = True
         replayed = 0
         apply = self.applier.apply
         parse = internal_pb2.Command.FromString
         try:
-            for index, payload in self.wal.replay(self._snapshot_index):
+            for index, payload in self.wal.replay(start):
                 apply(index, parse(payload))
                 replayed += 1
         except WALGapError as e:
-            if not broken:
-                raise
-            raise CorruptSnapshotError(
-                f"{broken[0]}; no older snapshot can replace it (the log does not reach "
-                f"back to index {self._snapshot_index}): refusing to start"
-            ) from e
-        for error in broken:
-            # Replay proved the log holds everything after the older snapshot.
-            name = self.snapshots.set_aside(error.index)
-            log.warning("snapshot fallback used_index=%d set_aside=%s", self._snapshot_index, name)
+            if broken:
+                raise CorruptSnapshotError(
+                    f"{broken[0]}; no older snapshot can replace it (the log does not reach "
+                    f"back to index {start}): refusing to start"
+                ) from e
+            if backend.consistent_index:
+                raise BackendBehindLogError(
+                    f"the backend {backend.path} holds the state at index {start}, older than "
+                    f"the WAL's first record ({e}): records in between are missing; "
+                    "refusing to start"
+                ) from e
+            raise
+        if backend.consistent_index and self.wal.end_index < start:
+            raise BackendBehindLogError(
+                f"the backend {backend.path} holds the state at index {start}, ahead of the "
+                f"WAL, which ends at index {self.wal.end_index}: the WAL lost records the "
+                "backend applied; refusing to start"
+            )
+        if snaps is not None:
+            for error in broken:
+                # Replay proved the log holds everything after the older snapshot.
+                name = snaps.set_aside(error.index)
+                log.warning("snapshot fallback used_index=%d set_aside=%s", start, name)
         self.wal.open_for_append()
-        self._next_index = self.wal.last_index
-        self._next_snapshot_at = self.state_machine.applied_index + self.snapshot_count
+        self._next_index = max(self.wal.last_index, start)
+        self._checkpoint_index = backend.consistent_index
+        if converted or (snaps is not None and sm.applied_index):
+            self._checkpoint_blocking()
+            os.replace(legacy, legacy + ".converted")
+            log.warning(
+                "data dir converted from snapshot files to the backend index=%d path=%s "
+                "old_snapshots=%s",
+                sm.applied_index,
+                backend.path,
+                legacy + ".converted",
+            )
         rec = self.wal.recovery
         log.info(
-            "recovered snapshot_index=%d replayed=%d last_index=%d dropped_bytes=%d seconds=%.3f",
-            self._snapshot_index,
+            "recovered backend_index=%d replayed=%d last_index=%d keys=%d dropped_bytes=%d "
+            "seconds=%.3f",
+            start,
             replayed,
             rec.last_index,
+            sm.store.key_count,
             rec.dropped_bytes,
             time.monotonic() - started,
         )
+
+    def _checkpoint_blocking(self) -> None:
+        """A checkpoint written on the calling thread (startup, before serving)."""
+        index, writes, dropped, sections = self.state_machine.checkpoint()
+        self._write_checkpoint(index, writes, dropped, sections)
+        self.backend.renew_reader()
+        self.state_machine.checkpoint_done()
+        self._checkpoint_index = index
 
     @property
     def last_index(self) -> int:
@@ -209,7 +300,7 @@ class LocalLog:
         for a small batch when nothing else waits (one client: no thread hop)."""
         loop = asyncio.get_running_loop()
         data = b"".join([p.record for p in batch])
-        if len(batch) <= INLINE_BATCH and not self._snapshotting and not self._pending:
+        if len(batch) <= INLINE_BATCH and not self._wal_job and not self._pending:
             done: asyncio.Future[None] = loop.create_future()
             try:
                 self.wal.write(data, batch[-1].index)
@@ -247,10 +338,7 @@ class LocalLog:
                     self._fail(e, batch)
                     return
                 self.commits += 1
-                snapshot_due = (
-                    self.state_machine.applied_index + len(batch) >= self._next_snapshot_at
-                )
-                if self._pending and not snapshot_due:
+                if self._pending:
                     following = self._take_batch()
                     inflight = (following, self._start_write(following))
                 for i, p in enumerate(batch):
@@ -263,13 +351,8 @@ class LocalLog:
                     if not p.future.done():
                         p.future.set_result(result)
                 self.applier.batch_applied()
-                if self.state_machine.applied_index >= self._next_snapshot_at:
-                    try:
-                        await self._snapshot()
-                    except OSError as e:  # the log still holds everything: go on
-                        log.error("snapshot failed, will retry later error=%r", e)
-                        applied = self.state_machine.applied_index
-                        self._next_snapshot_at = applied + self.snapshot_count
+                if self._checkpoint_due():
+                    self._start_checkpoint()
         finally:
             self._flusher = None
             if inflight is not None:  # cancelled mid-way: the write goes on; wait for it
@@ -305,41 +388,191 @@ class LocalLog:
         if self.on_no_space is not None:
             self.on_no_space()
 
-    async def _snapshot(self) -> None:
-        index = self.state_machine.applied_index
-        state = self.state_machine.export_state()
-        loop = asyncio.get_running_loop()
-        started = time.monotonic()
-        self._snapshotting = True
-        try:
-            size = await loop.run_in_executor(self._writer, self._write_snapshot, index, state)
-        finally:
-            self._snapshotting = False
-        self._snapshot_index = index
-        self._next_snapshot_at = index + self.snapshot_count
-        log.info(
-            "snapshot saved index=%d bytes=%d seconds=%.3f", index, size, time.monotonic() - started
+    # -- checkpoints ----------------------------------------------------------
+
+    def _checkpoint_due(self) -> bool:
+        if self._checkpoint is not None or self._checkpoints_held or self._failed is not None:
+            return False
+        sm = self.state_machine
+        return (
+            sm.applied_index - self._checkpoint_index >= self.snapshot_count
+            or sm.store.pending_bytes >= CHECKPOINT_BYTES
         )
 
-    def _write_snapshot(self, index: int, state: Any) -> int:
-        # Runs on the writer thread, between two batches: every record up to
-        # `index` is in the current segment or older ones.
-        self.wal.rotate()
-        size = self.snapshots.save(index, state)
-        self.wal.remove_covered(index)
-        return size
+    def _start_checkpoint(self) -> asyncio.Task[bool]:
+        """Take the checkpoint's contents on the loop and write them on the
+        backend thread; the task answers whether it committed."""
+        assert self._checkpoint is None
+        loop = asyncio.get_running_loop()
+        index, writes, dropped, sections = self.state_machine.checkpoint()
+        written = loop.run_in_executor(
+            self._backend_thread, self._write_checkpoint, index, writes, dropped, sections
+        )
+        self._checkpoint = loop.create_task(self._finish_checkpoint(written, index, dropped))
+        return self._checkpoint
 
-    async def snapshot_now(self) -> None:
-        """Take a snapshot at the current applied index (tests, shutdown)."""
-        if self.state_machine.applied_index > self._snapshot_index:
-            await self._snapshot()
+    def _write_checkpoint(
+        self,
+        index: int,
+        writes: Mapping[int, KeyValueFields],
+        dropped: list[int],
+        sections: dict[str, Any],
+    ) -> float:
+        """On the backend thread: the sections' image and one LMDB commit."""
+        started = time.monotonic()
+        image = snapshot.encode(index, sections)
+        self.backend.commit(CommitBatch(index, writes, dropped, image))
+        return time.monotonic() - started
+
+    async def _finish_checkpoint(
+        self, written: asyncio.Future[float], index: int, dropped: list[int]
+    ) -> bool:
+        sm = self.state_machine
+        try:
+            try:
+                seconds = await written
+            except (lmdb.Error, OSError) as e:
+                sm.checkpoint_failed(dropped)
+                log.error("backend checkpoint failed, will retry index=%d error=%r", index, e)
+                if _is_disk_full(e) and self.on_no_space is not None:
+                    self.on_no_space()
+                return False
+            self.backend.renew_reader()
+            sm.checkpoint_done()
+            self._checkpoint_index = index
+            self.checkpoints += 1
+            log.info(
+                "backend checkpoint index=%d in_use_bytes=%d seconds=%.3f",
+                index,
+                self.backend.in_use_bytes,
+                seconds,
+            )
+            await self._trim_wal(index)
+            return True
+        finally:
+            self._checkpoint = None
+
+    async def _trim_wal(self, index: int) -> None:
+        """The backend holds everything up to `index` durably: start a new WAL
+        segment and delete those it covers (on the writer thread, between
+        batches)."""
+        self._wal_job = True
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._writer, self._rotate, index)
+        except OSError as e:  # the log still holds everything: trimmed next time
+            log.error("wal trim failed, will retry error=%r", e)
+        finally:
+            self._wal_job = False
+
+    def _rotate(self, index: int) -> None:
+        self.wal.rotate()
+        self.wal.remove_covered(index)
+
+    async def checkpoint_now(self) -> None:
+        """Write a checkpoint at the current applied index, after the one in
+        flight (tests, Defragment, a Snapshot or HashKV request, shutdown)."""
+        while self._checkpoint is not None:
+            await asyncio.shield(self._checkpoint)
+        if self._failed is not None:
+            raise ServerStopped()
+        if not await self._start_checkpoint():
+            raise NoSpace()
+
+    snapshot_now = checkpoint_now
+
+    async def read_checkpointed(self) -> tuple[int, lmdb.Transaction]:
+        """A checkpoint now, and a read transaction that sees exactly it: the
+        applied index it holds and the transaction (abort it when done; it may
+        move to a thread)."""
+        while True:
+            await self.checkpoint_now()
+            txn = self.backend.begin_read()
+            if self.backend.consistent_index_in(txn) == self._checkpoint_index:
+                return self._checkpoint_index, txn
+            txn.abort()  # another checkpoint committed in between: again
+
+    async def export_etcd_db(self, fileobj: IO[bytes]) -> int:
+        """The state as an etcd backend database (Maintenance.Snapshot) into the
+        empty, seekable `fileobj`: a checkpoint, then the file is written on a
+        thread from a read transaction, the key revisions straight from the
+        backend's `key` db; returns its size."""
+        index, txn = await self.read_checkpointed()
+        backend = self.backend
+
+        def write() -> int:
+            try:
+                image = backend.sections(txn)
+                assert image is not None
+                contents = snapshot.decode(image, "backend sections")
+                return etcd_backend.write_etcd_db(
+                    fileobj, index, contents.state, key_items=backend.raw_revisions(txn)
+                )
+            finally:
+                txn.abort()
+
+        return await asyncio.get_running_loop().run_in_executor(None, write)
+
+    async def hash_kv(self, revision: int) -> int:
+        """HashKV at `revision` (checked already, 0: now): the store's checksum
+        computed on a thread from a checkpoint's read transaction, the same
+        value `MVCCStore.hash_kv` gives."""
+        bound = position(self.state_machine.store.check_revision(revision)) << 1 | 1
+        _, txn = await self.read_checkpointed()
+        backend = self.backend
+
+        def run() -> int:
+            try:
+                h = zlib.crc32(b"key")
+                parse = kv_pb2.KeyValue.FromString
+                for pos, tombstone, raw in backend.revisions(txn):
+                    code = pos << 1 | tombstone
+                    if code > bound:
+                        break
+                    kv = parse(raw)
+                    h = hash_change(h, kv.key, code, None if tombstone else kv.value)
+                return h
+            finally:
+                txn.abort()
+
+        return await asyncio.get_running_loop().run_in_executor(None, run)
+
+    async def defragment(self) -> None:
+        """etcd's Defragment: the backend file rewritten without its free pages,
+        copied in a thread while the loop serves; no checkpoint commits during
+        the copy, so swapping the copy in loses nothing."""
+        await self.checkpoint_now()
+        while self._checkpoint is not None:
+            await asyncio.shield(self._checkpoint)
+        self._checkpoints_held += 1
+        try:
+            copy = self.backend.path + ".defrag"
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._backend_thread, self.backend.copy_compacted, copy)
+            self.backend.swap_in(copy)
+        finally:
+            self._checkpoints_held -= 1
 
     # -- shutdown -------------------------------------------------------------
 
     async def close(self) -> None:
-        """Finish what is in flight, then release the files."""
+        """Finish what is in flight, checkpoint (so a restart replays nothing),
+        then release the files."""
         self._closed = True
         while self._flusher is not None:
             await asyncio.shield(self._flusher)
+        while self._checkpoint is not None:
+            await asyncio.shield(self._checkpoint)
+        sm = self.state_machine
+        if self._failed is None and sm.failed is None and sm.applied_index > self._checkpoint_index:
+            with contextlib.suppress(lmdb.Error, OSError, NoSpace):
+                await self._start_checkpoint()
         self._writer.shutdown(wait=True)
+        self._backend_thread.shutdown(wait=True)
         self.wal.close()
+        self.backend.close()
+
+
+def _is_disk_full(error: BaseException) -> bool:
+    if isinstance(error, lmdb.MapFullError):
+        return True
+    return getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space" in str(error)

@@ -142,6 +142,7 @@ class WriteAheadLog:
         self._size = 0  # bytes in the open segment: where a failed write is cut back to
         self._segment_first = 0
         self.last_index = 0
+        self.end_index = 0
 
     # -- reading --------------------------------------------------------------
 
@@ -222,6 +223,9 @@ class WriteAheadLog:
                     os.remove(self._path(later))
                 break
         self.last_index = max(last, after_index)
+        # What the log reaches: its last record, or what the newest segment's
+        # name says came before it (a segment started after a checkpoint).
+        self.end_index = max(last, firsts[-1] - 1 if firsts else 0)
         self.recovery = Recovery(self.last_index, dropped_bytes, dropped_segments, dropped_offset)
 
     def _check_torn(
