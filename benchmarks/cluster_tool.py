@@ -2,8 +2,8 @@
 
 Run it with::
 
-    bash ../shared/tools/etcd-benchmark/build.sh /tmp/tools/etcd-benchmark   # once
-    scripts/build_queue_bench.sh /tmp/tools/queue-bench                      # once
+    bash "$(scripts/shared_tools.sh)/etcd-benchmark/build.sh" /tmp/tools/etcd-benchmark  # once
+    scripts/build_queue_bench.sh /tmp/tools/queue-bench                                  # once
     python -m benchmarks.cluster_tool [--quick] [--workloads put-spread,failover,...] \\
         [--tool PATH] [--queue-tool PATH] [--etcd PATH] [--kills N] [--out FILE.md] \\
         [--json FILE] [--ours-dir CHECKOUT] [--timeout SECONDS]

@@ -2,7 +2,7 @@
 
 Run it with::
 
-    bash ../shared/tools/etcd-benchmark/build.sh /tmp/tools/etcd-benchmark   # once
+    bash "$(scripts/shared_tools.sh)/etcd-benchmark/build.sh" /tmp/tools/etcd-benchmark  # once
     python -m benchmarks.etcd_tool [--quick] [--workloads put1,range64] \\
         [--transport native|grpcio] [--tool PATH] [--etcd PATH] [--out FILE.md] [--json FILE] \\
         [--ours-dir CHECKOUT] [--timeout SECONDS]
@@ -59,9 +59,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tests.support.shared_tools import shared_tools_dir
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TOOL = Path("/tmp/tools/etcd-benchmark")
-BUILD_HINT = "bash /work/shared/tools/etcd-benchmark/build.sh /tmp/tools/etcd-benchmark"
+BUILD_HINT = (
+    f"bash {shared_tools_dir() / 'etcd-benchmark' / 'build.sh'} {DEFAULT_TOOL} "
+    "(its sources are found through $QS_SHARED_TOOLS, default ../shared/tools: README, "
+    "'Third-party tools')"
+)
 READY_TIMEOUT = 30.0
 STOP_TIMEOUT = 15.0
 SETUP_TIMEOUT = 20.0

@@ -25,7 +25,7 @@ comparison with etcd on the same run matters more than the absolute numbers.
 
 Usage (from the repository root; h2spec is built by
 ``scripts/build_h2spec.sh /tmp/tools/h2spec-run``, our driver over the h2spec library in
-../shared/tools/h2spec)::
+``$QS_SHARED_TOOLS/h2spec``, default ../shared/tools/h2spec)::
 
     python scripts/h2spec_compare.py [--h2spec PATH] [--servers etcd,grpcio,native]
                                      [--out FILE.md] [--json FILE]

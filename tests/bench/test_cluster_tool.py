@@ -6,7 +6,9 @@ rates and CPU figures, one failover sample per kill, and no acknowledged put los
 assertions (the targets are reported in the table, not enforced here).
 
 The tool is etcd v3.4.23's tools/benchmark: `$ETCD_BENCHMARK` (.ci/run builds it and sets it),
-else /tmp/tools/etcd-benchmark, else it is built here from ../shared/tools/etcd-benchmark.
+else /tmp/tools/etcd-benchmark, else it is built here from its sources in
+`$QS_SHARED_TOOLS/etcd-benchmark` (`tests/support/shared_tools.py`); without them the test is
+skipped, naming the variable.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import processes
+from tests.support import processes, shared_tools
 
 pytestmark = pytest.mark.bench
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-BUILD_SCRIPT = REPO_ROOT.parent / "shared" / "tools" / "etcd-benchmark" / "build.sh"
+BUILD_SCRIPT = "etcd-benchmark/build.sh"
+"""Under $QS_SHARED_TOOLS: builds the tool from the unmodified sources beside it."""
 BUILD_TIMEOUT = 300
 HARNESS_TIMEOUT = 150
 """Two rows, each on a fresh cluster of each kind: about 40 s on 2 cores."""
@@ -38,11 +40,14 @@ def etcd_benchmark(tmp_path_factory: pytest.TempPathFactory) -> Path:
             return Path(given)
     if shutil.which("etcd") is None or shutil.which("etcdctl") is None:
         pytest.skip("no etcd/etcdctl on PATH (apt-get install etcd-server etcd-client)")
-    if shutil.which("go") is None or not BUILD_SCRIPT.exists():
-        pytest.skip(f"cannot build etcd's benchmark tool: no `go` on PATH or no {BUILD_SCRIPT}")
+    build = shared_tools.require(BUILD_SCRIPT, "etcd's benchmark tool (no $ETCD_BENCHMARK)")
+    if shutil.which("go") is None:
+        pytest.skip(
+            "cannot build etcd's benchmark tool: no `go` on PATH (apt-get install golang-go)"
+        )
     out = tmp_path_factory.mktemp("etcd-benchmark") / "etcd-benchmark"
     built = subprocess.run(
-        ["bash", str(BUILD_SCRIPT), str(out)],
+        ["bash", str(build), str(out)],
         capture_output=True,
         text=True,
         timeout=BUILD_TIMEOUT,

@@ -12,8 +12,8 @@ check its values. The same suite run against real etcd checks that the
 expectations are etcd's.
 
 The package is pinned in `tests/compat/node/package.json` and its lock file;
-.ci/run installs it with `npm ci`. Without node or the installed package the
-tests skip, except under CI, where they fail.
+scripts/install-test-deps.sh (README, .ci/run) installs it with `npm ci`. Without node or the
+installed package the tests skip, except under CI, where they fail.
 """
 
 from __future__ import annotations

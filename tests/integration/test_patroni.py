@@ -47,9 +47,9 @@ import yaml
 from tests.support.processes import ServerProcess, free_port
 
 PATRONI_DEBIAN = "/usr/bin/patroni"
-# Patroni 4.x from PyPI, installed by .ci/run with `pip install --no-deps
-# --target` (pure Python; its dependencies are Debian's, pulled by `patroni`):
-# readable by the unprivileged user, run by Debian's python3.
+# Patroni 4.x from PyPI, installed by scripts/install-test-deps.sh (README, .ci/run) with
+# `pip install --no-deps --target` (pure Python; its dependencies are Debian's, pulled by
+# `patroni`): readable by the unprivileged user, run by Debian's python3.
 PATRONI4_DIR = Path(os.environ.get("QS_PATRONI4_DIR", "/usr/local/lib/qs-patroni4"))
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 SCOPE = "qs-ha"

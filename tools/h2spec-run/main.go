@@ -1,8 +1,9 @@
 // Command h2spec-run runs h2spec's conformance cases (generic, http2, hpack; or
 // the sections named as arguments, such as http2/6.9) against one server and
 // writes a JUnit report; -dryrun lists the cases. It is our own small driver over
-// the h2spec library in ../shared/tools/h2spec/upstream, whose own command is
-// not in that folder. Built by scripts/build_h2spec.sh.
+// the h2spec library in $QS_SHARED_TOOLS/h2spec/upstream (default
+// ../shared/tools), whose own command is not in that folder. Built by
+// scripts/build_h2spec.sh.
 package main
 
 import (
@@ -24,7 +25,7 @@ func main() {
 	version := flag.Bool("version", false, "print the version")
 	flag.Parse()
 	if *version {
-		fmt.Println("h2spec-run (the h2spec library of ../shared/tools/h2spec)")
+		fmt.Println("h2spec-run (the h2spec library of $QS_SHARED_TOOLS/h2spec)")
 		return
 	}
 	c := &config.Config{
