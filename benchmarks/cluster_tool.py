@@ -275,12 +275,19 @@ class Cluster:
         for m in self.members:
             m.stop()
 
-    def status(self, m: Server) -> tuple[int, int, int]:
-        """(member_id, leader, revision) as `m` reports them (etcdctl endpoint status)."""
+    @staticmethod
+    def endpoint_status(m: Server) -> dict[str, Any]:
+        """`etcdctl endpoint status -w json`'s Status of `m`: header (member_id, revision,
+        raft_term), leader, raftTerm, raftIndex, ... (zero fields are left out)."""
         r = m.etcdctl_run("endpoint", "status", "-w", "json", timeout=STATUS_TIMEOUT)
         if r.returncode != 0:
             raise RuntimeError((r.stderr or r.stdout).strip())
-        st = json.loads(r.stdout)[0]["Status"]
+        st: dict[str, Any] = json.loads(r.stdout)[0]["Status"]
+        return st
+
+    def status(self, m: Server) -> tuple[int, int, int]:
+        """(member_id, leader, revision) as `m` reports them (etcdctl endpoint status)."""
+        st = self.endpoint_status(m)
         return int(st["header"]["member_id"]), int(st["leader"]), int(st["header"]["revision"])
 
     def wait_leader(self, timeout: float = LEADER_TIMEOUT) -> Server:
