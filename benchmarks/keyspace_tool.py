@@ -3,7 +3,7 @@
 Run it with::
 
     bash ../shared/tools/etcd-benchmark/build.sh /tmp/tools/etcd-benchmark   # once
-    python -m benchmarks.keyspace_tool [--quick] [--members 1,3] [--growth] \\
+    python -m benchmarks.keyspace_tool [--quick] [--members 1|3|1,3] [--growth] \\
         [--keys N] [--parts P] [--cluster-keys M] [--cluster-parts Q] \\
         [--growth-keys G] [--growth-probe K] [--same-keys] \\
         [--tool PATH] [--etcd PATH] [--ours-dir CHECKOUT] [--out FILE.md] [--json FILE] \\
@@ -12,7 +12,7 @@ Run it with::
 Each scenario runs on ours and then on etcd, one after the other, each on a fresh data dir
 (a new temporary directory) and free 127.0.0.1 ports; the two never run at the same time.
 
-- `single` (`--members 1`, the default): one member. N keys (default 1,000,000; 16 B keys,
+- `single` (`--members 1`, the default unless `--growth` is given alone): one member. N keys (default 1,000,000; 16 B keys,
   256 B values) go in with etcd's tool in P parts (default 4) of N/P puts each: `put
   --conns=8 --clients=64 --key-size=K --val-size=256 --sequential-keys --key-space-size=N
   --total=N/P`. After each part: the tool's puts/s, slowest request and p99, the server's CPU
@@ -30,7 +30,7 @@ Each scenario runs on ours and then on etcd, one after the other, each on a fres
   members) and the raft term before and after it (the highest `raftTerm` of `etcdctl endpoint
   status -w json` over the members): a term that moves is an election during the load. At the
   end a count-only Range through the leader must count M keys.
-- `growth` (`--growth`): one member, G keys (default 2,000,000) in three runs: the first K
+- `growth` (`--growth`; with `--members` as well, after those): one member, G keys (default 2,000,000) in three runs: the first K
   (default 100,000) into an empty store, the G - 2K in between, the last K into a store of
   G - K. The put rate of the last K over that of the first K says how the rate holds as the
   keyspace grows (issue 23: within 15%). A count-only Range at the end must count G keys.
@@ -707,11 +707,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--members",
-        default="1",
+        default=None,
         help="comma-separated, from 1 (one member: load, restart, read) and 3 (a 3-member "
-        "cluster: load through the leader, raft terms); default 1",
+        "cluster: load through the leader, raft terms); default 1, or none with --growth",
     )
-    p.add_argument("--growth", action="store_true", help="also the growth scenario")
+    p.add_argument(
+        "--growth",
+        action="store_true",
+        help="the growth scenario (alone, unless --members is given too)",
+    )
     p.add_argument("--keys", type=int, default=None, help=f"one member's keys ({DEFAULT_KEYS:,})")
     p.add_argument("--parts", type=int, default=DEFAULT_PARTS, help="in this many runs (4)")
     p.add_argument(
@@ -737,12 +741,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     add_common_args(p, QUICK_RUN_TIMEOUT, FULL_RUN_TIMEOUT)
     args = p.parse_args(argv)
-    try:
-        args.member_counts = sorted({int(x) for x in str(args.members).split(",") if x.strip()})
-    except ValueError:
-        args.member_counts = []
-    if not args.member_counts or any(m not in (1, 3) for m in args.member_counts):
-        p.error(f"--members takes 1, 3 or 1,3, not {args.members!r}")
+    if args.members is None:
+        args.member_counts = [] if args.growth else [1]
+    else:
+        try:
+            args.member_counts = sorted({int(x) for x in args.members.split(",") if x.strip()})
+        except ValueError:
+            args.member_counts = []
+        if not args.member_counts or any(m not in (1, 3) for m in args.member_counts):
+            p.error(f"--members takes 1, 3 or 1,3, not {args.members!r}")
     q = args.quick
     if args.keys is None:
         args.keys = QUICK_KEYS if q else DEFAULT_KEYS
