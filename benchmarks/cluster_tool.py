@@ -70,11 +70,8 @@ from typing import Any
 import grpc
 
 from benchmarks.etcd_tool import (
-    BUILD_HINT,
-    DEFAULT_TOOL,
     OTHER_CPU_WARN,
     PUT_ARGS,
-    REPO_ROOT,
     STOP_TIMEOUT,
     EtcdServer,
     Membership,
@@ -82,6 +79,7 @@ from benchmarks.etcd_tool import (
     RunResult,
     Server,
     Workload,
+    add_common_args,
     children_cpu,
     chosen_workloads,
     etcd_version,
@@ -89,6 +87,7 @@ from benchmarks.etcd_tool import (
     git_commit,
     machine_busy_cpu,
     process_tree_cpu,
+    resolve_common_args,
     run_tool_on,
 )
 from benchmarks.queue_tool import build_tool as build_queue_tool
@@ -275,12 +274,19 @@ class Cluster:
         for m in self.members:
             m.stop()
 
-    def status(self, m: Server) -> tuple[int, int, int]:
-        """(member_id, leader, revision) as `m` reports them (etcdctl endpoint status)."""
+    @staticmethod
+    def endpoint_status(m: Server) -> dict[str, Any]:
+        """`etcdctl endpoint status -w json`'s Status of `m`: header (member_id, revision,
+        raft_term), leader, raftTerm, raftIndex, ... (zero fields are left out)."""
         r = m.etcdctl_run("endpoint", "status", "-w", "json", timeout=STATUS_TIMEOUT)
         if r.returncode != 0:
             raise RuntimeError((r.stderr or r.stdout).strip())
-        st = json.loads(r.stdout)[0]["Status"]
+        st: dict[str, Any] = json.loads(r.stdout)[0]["Status"]
+        return st
+
+    def status(self, m: Server) -> tuple[int, int, int]:
+        """(member_id, leader, revision) as `m` reports them (etcdctl endpoint status)."""
+        st = self.endpoint_status(m)
         return int(st["header"]["member_id"]), int(st["leader"]), int(st["header"]["revision"])
 
     def wait_leader(self, timeout: float = LEADER_TIMEOUT) -> Server:
@@ -854,65 +860,32 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"comma-separated, from {','.join(WORKLOADS_BY_NAME)} (default: all)",
     )
     p.add_argument(
-        "--tool",
-        default=None,
-        help=f"etcd's benchmark tool (default $ETCD_BENCHMARK, {DEFAULT_TOOL}, PATH)",
-    )
-    p.add_argument(
         "--queue-tool",
         type=Path,
         default=None,
         help="tools/queue-bench, built from this checkout (default: build it into a temporary "
         "directory with scripts/build_queue_bench.sh); only the queue row",
     )
-    p.add_argument("--etcd", default=None, help="the etcd binary (default: etcd on PATH)")
     p.add_argument(
         "--kills",
         type=int,
         default=None,
         help=f"leader kills in the failover row (default {DEFAULT_KILLS}, quick {QUICK_KILLS})",
     )
-    p.add_argument("--ours-dir", type=Path, default=REPO_ROOT, help="run ours from this checkout")
-    p.add_argument("--out", type=Path, default=None, help="write the Markdown table here")
-    p.add_argument("--json", type=Path, default=None, help="write the JSON results here")
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=None,
-        help=f"seconds per tool run before it is killed (default {QUICK_RUN_TIMEOUT:.0f} quick, "
-        f"{FULL_RUN_TIMEOUT:.0f} full)",
-    )
+    add_common_args(p, QUICK_RUN_TIMEOUT, FULL_RUN_TIMEOUT)
     args = p.parse_args(argv)
     args.workload_list = chosen_workloads(p, args.workloads, WORKLOADS_BY_NAME)
     modes = {w.mode for w in args.workload_list}
-    tool = (
-        args.tool
-        or os.environ.get("ETCD_BENCHMARK")
-        or (str(DEFAULT_TOOL) if DEFAULT_TOOL.exists() else shutil.which("etcd-benchmark"))
-    )
-    if "tool" in modes and (not tool or not Path(tool).exists()):
-        p.error(f"etcd benchmark tool not found ({args.tool or DEFAULT_TOOL}); {BUILD_HINT}")
-    args.tool = tool
+    resolve_common_args(p, args, QUICK_RUN_TIMEOUT, FULL_RUN_TIMEOUT, need_tool="tool" in modes)
     if "queue" in modes:
         if args.queue_tool is not None and not args.queue_tool.exists():
             p.error(f"no queue driver at {args.queue_tool}: scripts/build_queue_bench.sh OUT")
         if args.queue_tool is None and shutil.which("go") is None:
             p.error("no go on PATH to build tools/queue-bench, and no --queue-tool")
-    args.etcd = args.etcd or shutil.which("etcd")
-    if not args.etcd:
-        p.error("no etcd binary (apt-get install etcd-server, or --etcd PATH)")
-    args.etcdctl = shutil.which("etcdctl")
-    if not args.etcdctl:
-        p.error("no etcdctl on PATH (apt-get install etcd-client)")
-    args.ours_dir = Path(args.ours_dir).resolve()
-    if not (args.ours_dir / "queue_server" / "cli.py").exists():
-        p.error(f"no queue_server/cli.py in --ours-dir {args.ours_dir}")
     if args.kills is None:
         args.kills = QUICK_KILLS if args.quick else DEFAULT_KILLS
     if args.kills < 1:
         p.error("--kills must be at least 1")
-    if args.timeout is None:
-        args.timeout = QUICK_RUN_TIMEOUT if args.quick else FULL_RUN_TIMEOUT
     return args
 
 

@@ -268,6 +268,20 @@ def process_tree_cpu(pid: int) -> float:
     return ticks / CLK_TCK
 
 
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+def process_tree_rss(pid: int) -> int:
+    """Resident bytes of `pid` and its live descendants (/proc/<pid>/statm), 0 once gone."""
+    total = 0
+    for p in _descendants(pid):
+        try:
+            total += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * PAGE_SIZE
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
 def machine_busy_cpu() -> float:
     """CPU seconds all CPUs of the machine have spent busy (not idle, not iowait)."""
     try:
@@ -416,15 +430,15 @@ class Server:
             time.sleep(0.1)  # poll interval, bounded by the deadline
         raise TimeoutError(f"{self.kind} not ready after {timeout:.0f}s: {last}")
 
-    def stop(self) -> None:
-        """SIGTERM by pid, wait (bounded), then SIGKILL by pid."""
+    def stop(self, timeout: float = STOP_TIMEOUT) -> None:
+        """SIGTERM by pid, wait (up to `timeout`), then SIGKILL by pid."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.proc.pid, signal.SIGTERM)
         try:
-            self.proc.wait(timeout=STOP_TIMEOUT)
+            self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             log(f"{self.kind} (pid {self.proc.pid}) ignored SIGTERM; sending SIGKILL")
             with contextlib.suppress(ProcessLookupError):
@@ -852,6 +866,65 @@ def chosen_workloads(p: argparse.ArgumentParser, text: object, by_name: dict[str
     return [by_name[s] for s in names]
 
 
+def add_common_args(p: argparse.ArgumentParser, quick_timeout: float, full_timeout: float) -> None:
+    """The arguments every Go-tool harness takes: the tool, etcd, our checkout, the outputs and
+    the bound on one tool run. `resolve_common_args` checks them once parsed."""
+    p.add_argument(
+        "--tool",
+        default=None,
+        help=f"etcd's benchmark tool (default $ETCD_BENCHMARK, {DEFAULT_TOOL}, PATH)",
+    )
+    p.add_argument("--etcd", default=None, help="the etcd binary (default: etcd on PATH)")
+    p.add_argument(
+        "--ours-dir",
+        type=Path,
+        default=REPO_ROOT,
+        help="run our server from this checkout (e.g. a `git clone` of a fixed commit) "
+        "instead of this one",
+    )
+    p.add_argument("--out", type=Path, default=None, help="write the Markdown table here")
+    p.add_argument("--json", type=Path, default=None, help="write the JSON results here")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help=f"seconds per tool run before it is killed (default {quick_timeout:.0f} quick, "
+        f"{full_timeout:.0f} full)",
+    )
+
+
+def resolve_common_args(
+    p: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    quick_timeout: float,
+    full_timeout: float,
+    need_tool: bool = True,
+) -> None:
+    """Find the tool, etcd and etcdctl, check --ours-dir, default --timeout; a usage error
+    (`p.error`) names what is missing and how to get it."""
+    tool = (
+        args.tool
+        or os.environ.get("ETCD_BENCHMARK")
+        or (str(DEFAULT_TOOL) if DEFAULT_TOOL.exists() else shutil.which("etcd-benchmark"))
+    )
+    if need_tool and (not tool or not Path(tool).exists()):
+        p.error(
+            f"etcd benchmark tool not found ({args.tool or DEFAULT_TOOL}); build it: {BUILD_HINT}"
+        )
+    args.tool = tool
+    args.etcd = args.etcd or shutil.which("etcd")
+    if not args.etcd:
+        p.error("no etcd binary (apt-get install etcd-server, or --etcd PATH)")
+    args.etcdctl = shutil.which("etcdctl")
+    if not args.etcdctl:
+        p.error("no etcdctl on PATH (apt-get install etcd-client)")
+    args.ours_dir = Path(args.ours_dir).resolve()
+    if not (args.ours_dir / "queue_server" / "cli.py").exists():
+        p.error(f"no queue_server/cli.py in --ours-dir {args.ours_dir}")
+    if args.timeout is None:
+        args.timeout = quick_timeout if args.quick else full_timeout
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.etcd_tool",
@@ -869,45 +942,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="pass --grpc-transport VALUE to our server (default: don't pass it)",
     )
-    p.add_argument("--tool", default=None, help=f"the built tool (default {DEFAULT_TOOL})")
-    p.add_argument("--etcd", default=None, help="the etcd binary (default: etcd on PATH)")
-    p.add_argument(
-        "--ours-dir",
-        type=Path,
-        default=REPO_ROOT,
-        help="run our server from this checkout (e.g. a `git clone` of a fixed commit) "
-        "instead of this one",
-    )
-    p.add_argument("--out", type=Path, default=None, help="write the Markdown table here")
-    p.add_argument("--json", type=Path, default=None, help="write the JSON results here")
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=None,
-        help=f"seconds per tool run before it is killed (default {QUICK_RUN_TIMEOUT:.0f} quick, "
-        f"{FULL_RUN_TIMEOUT:.0f} full)",
-    )
+    add_common_args(p, QUICK_RUN_TIMEOUT, FULL_RUN_TIMEOUT)
     args = p.parse_args(argv)
     args.workload_list = chosen_workloads(p, args.workloads, WORKLOADS_BY_NAME)
-    tool = args.tool or (
-        str(DEFAULT_TOOL) if DEFAULT_TOOL.exists() else shutil.which("etcd-benchmark")
-    )
-    if not tool or not Path(tool).exists():
-        p.error(
-            f"etcd benchmark tool not found ({args.tool or DEFAULT_TOOL}); build it: {BUILD_HINT}"
-        )
-    args.tool = tool
-    args.etcd = args.etcd or shutil.which("etcd")
-    if not args.etcd:
-        p.error("no etcd binary (apt-get install etcd-server, or --etcd PATH)")
-    args.etcdctl = shutil.which("etcdctl")
-    if not args.etcdctl:
-        p.error("no etcdctl on PATH (apt-get install etcd-client)")
-    args.ours_dir = Path(args.ours_dir).resolve()
-    if not (args.ours_dir / "queue_server" / "cli.py").exists():
-        p.error(f"no queue_server/cli.py in --ours-dir {args.ours_dir}")
-    if args.timeout is None:
-        args.timeout = QUICK_RUN_TIMEOUT if args.quick else FULL_RUN_TIMEOUT
+    resolve_common_args(p, args, QUICK_RUN_TIMEOUT, FULL_RUN_TIMEOUT)
     return args
 
 

@@ -5,62 +5,26 @@ cluster) and the `failover` row with two leader kills, and checks the report is 
 rates and CPU figures, one failover sample per kill, and no acknowledged put lost. No speed
 assertions (the targets are reported in the table, not enforced here).
 
-The tool is etcd v3.4.23's tools/benchmark: `$ETCD_BENCHMARK` (.ci/run builds it and sets it),
-else /tmp/tools/etcd-benchmark, else it is built here from its sources in
-`$QS_SHARED_TOOLS/etcd-benchmark` (`tests/support/shared_tools.py`); without them the test is
-skipped, naming the variable.
+The tool comes from the `etcd_benchmark` fixture (tests/bench/conftest.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.support import processes, shared_tools
+from tests.support import processes
 
 pytestmark = pytest.mark.bench
 
-BUILD_SCRIPT = "etcd-benchmark/build.sh"
-"""Under $QS_SHARED_TOOLS: builds the tool from the unmodified sources beside it."""
-BUILD_TIMEOUT = 300
 HARNESS_TIMEOUT = 150
 """Two rows, each on a fresh cluster of each kind: about 40 s on 2 cores."""
 KILLS = 2
 
 
-@pytest.fixture(scope="module")
-def etcd_benchmark(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    for given in (os.environ.get("ETCD_BENCHMARK"), "/tmp/tools/etcd-benchmark"):
-        if given and Path(given).is_file():
-            return Path(given)
-    if shutil.which("etcd") is None or shutil.which("etcdctl") is None:
-        pytest.skip("no etcd/etcdctl on PATH (apt-get install etcd-server etcd-client)")
-    build = shared_tools.require(BUILD_SCRIPT, "etcd's benchmark tool (no $ETCD_BENCHMARK)")
-    if shutil.which("go") is None:
-        pytest.skip(
-            "cannot build etcd's benchmark tool: no `go` on PATH (apt-get install golang-go)"
-        )
-    out = tmp_path_factory.mktemp("etcd-benchmark") / "etcd-benchmark"
-    built = subprocess.run(
-        ["bash", str(build), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=BUILD_TIMEOUT,
-        check=False,
-    )
-    if built.returncode != 0 or not out.exists():
-        pytest.skip(f"building etcd's benchmark tool failed: {built.stderr[-2000:]}")
-    return out
-
-
 def test_quick_put_spread_and_failover(etcd_benchmark: Path, tmp_path: Path) -> None:
-    if shutil.which("etcd") is None or shutil.which("etcdctl") is None:
-        pytest.skip("no etcd/etcdctl on PATH (apt-get install etcd-server etcd-client)")
     json_path = tmp_path / "cluster-tool.json"
     md_path = tmp_path / "cluster-tool.md"
     done = processes.run_harness(
