@@ -51,7 +51,7 @@ from queue_server.transport.methods import (
     MethodTable,
 )
 from queue_server.transport.server import NativeServer
-from queue_server.transport.status import RpcError, Status
+from queue_server.transport.status import RpcError, Status, encode_message
 from tests.support import h2_client
 from tests.support.h2_client import (
     RawClient,
@@ -528,6 +528,39 @@ async def test_non_grpc_request_gets_415() -> None:
     assert ex.headers is not None and (b":status", b"415") in ex.headers
     assert b"gRPC" in ex.data
     assert ex.reset is None
+
+
+async def test_grpc_request_not_post_gets_grpc_gos_405() -> None:
+    """grpc-go's answer, checked against etcd in tests/compat/
+    test_hostile_differential.py: HTTP 405 with INTERNAL, the method quoted as
+    Go's %q quotes it, RST_STREAM(NO_ERROR) after it when the request had not
+    ended; the connection serves calls as before."""
+    async with serving(method("Unary", echo)) as served, raw_client(served.port) as client:
+        await client.handshake()
+        client.open(1, "", headers=grpc_request_headers(path("Unary"), "GET"), end_stream=True)
+        odd = 'GE"T\x01\u00e9'
+        client.open(3, "", headers=grpc_request_headers(path("Unary"), odd))
+        # grpc-go checks the method before the path: not UNIMPLEMENTED
+        client.open(5, "", headers=grpc_request_headers("/no.Such/Method", "HEAD"), end_stream=True)
+        after = await client.call(7, "Unary", RangeRequest(key=b"k"))
+        get, other, head = (client.exchange(sid) for sid in (1, 3, 5))
+    assert after.grpc_status == Status.OK
+    for ex, reset in ((get, None), (other, ErrorCode.NO_ERROR), (head, None)):
+        assert ex.frames[0] == (HEADERS, FLAG_END_STREAM | FLAG_END_HEADERS)
+        assert ex.reset == reset and len(ex.frames) == (1 if reset is None else 2)
+        assert ex.headers is not None and ex.headers[:3] == [
+            (b":status", b"405"),
+            (b"content-type", b"application/grpc"),
+            (b"grpc-status", b"13"),
+        ]
+
+    def message(quoted: str) -> bytes:
+        text = f"Received a HEADERS frame with :method {quoted} which should be POST"
+        return encode_message(text)
+
+    assert get.trailer(b"grpc-message") == message('"GET"')
+    assert other.trailer(b"grpc-message") == message('"GE\\"T\\x01\u00e9"')
+    assert head.trailer(b"grpc-message") == message('"HEAD"')
 
 
 async def test_silent_connection_is_closed_after_preface_timeout() -> None:
