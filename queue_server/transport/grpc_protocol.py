@@ -11,8 +11,9 @@ keepalive pings. Knows nothing of etcd: handlers come from a `MethodTable`.
 
 Theory of operation, per call:
 
-- HEADERS open a stream. A non-gRPC request gets HTTP 415 with a short body; an
-  unknown path gets UNIMPLEMENTED. Otherwise a `NativeCall` is made.
+- HEADERS open a stream. A non-gRPC request gets HTTP 415 with a short body; a
+  gRPC one whose method is not POST gets grpc-go's HTTP 405; an unknown path
+  gets UNIMPLEMENTED. Otherwise a `NativeCall` is made.
 - A unary request is collected whole, then its handler's task starts; a
   streamed request's task starts at once and reads messages through the call
   (`async for request in call`), which credits flow-control window as it reads.
@@ -90,6 +91,39 @@ _NOT_GRPC_BODY = b"this port serves gRPC (content-type application/grpc)\n"
 _NOT_GRPC_HEADERS = header_blocks.block(
     [(b":status", b"415"), (b"content-type", b"text/plain; charset=utf-8")]
 )
+_GO_ESCAPES = {
+    "\a": "\\a",
+    "\b": "\\b",
+    "\f": "\\f",
+    "\n": "\\n",
+    "\r": "\\r",
+    "\t": "\\t",
+    "\v": "\\v",
+    "\\": "\\\\",
+    '"': '\\"',
+}
+
+
+def go_quote(raw: bytes) -> str:
+    """Go's strconv.Quote (fmt's %q) of a header value: as grpc-go quotes what
+    it names in a status message."""
+    out = ['"']
+    for ch in raw.decode("utf-8", "surrogateescape"):
+        code = ord(ch)
+        if 0xDC80 <= code <= 0xDCFF:  # a byte that is not UTF-8
+            out.append(f"\\x{code - 0xDC00:02x}")
+        elif ch in _GO_ESCAPES:
+            out.append(_GO_ESCAPES[ch])
+        elif ch == " " or ch.isprintable():
+            out.append(ch)
+        elif code < 0x80:
+            out.append(f"\\x{code:02x}")
+        elif code < 0x10000:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(f"\\U{code:08x}")
+    out.append('"')
+    return "".join(out)
 
 
 def parse_timeout(value: bytes) -> float | None:
@@ -478,10 +512,12 @@ class GrpcConnection(asyncio.Protocol):
         if self._preface_timer is not None:
             self._preface_timer.cancel()
             self._preface_timer = None
-        path = content_type = timeout = encoding = b""
+        path = content_type = timeout = encoding = http_method = b""
         for name, value in headers:
             if name == b":path":
                 path = value
+            elif name == b":method":
+                http_method = value
             elif name == b"content-type":
                 content_type = value
             elif name == b"grpc-timeout":
@@ -496,17 +532,8 @@ class GrpcConnection(asyncio.Protocol):
             else:
                 self._plain_http.add(stream_id)
             return
-        method = self.methods.get(path)
-        if method is None:
-            self._refuse(stream_id, Status.UNIMPLEMENTED, self._unknown(path))
-            return
-        if encoding and encoding != b"identity":
-            self._refuse(
-                stream_id,
-                Status.UNIMPLEMENTED,
-                f'grpc: Decompressor is not installed for grpc-encoding "{encoding.decode("latin-1")}"',
-            )
-            return
+        # grpc-go's order: the headers' own errors (a malformed grpc-timeout),
+        # then the method, then what the server's routing finds
         deadline = None
         if timeout:
             seconds = parse_timeout(timeout)
@@ -518,6 +545,20 @@ class GrpcConnection(asyncio.Protocol):
                 )
                 return
             deadline = self.loop.time() + seconds
+        if http_method != b"POST":
+            self._not_post(stream_id, http_method, content_type)
+            return
+        method = self.methods.get(path)
+        if method is None:
+            self._refuse(stream_id, Status.UNIMPLEMENTED, self._unknown(path))
+            return
+        if encoding and encoding != b"identity":
+            self._refuse(
+                stream_id,
+                Status.UNIMPLEMENTED,
+                f'grpc: Decompressor is not installed for grpc-encoding "{encoding.decode("latin-1")}"',
+            )
+            return
         call = NativeCall(self, stream_id, method, headers, deadline)
         self.calls[stream_id] = call
         self.idle.clear()
@@ -631,6 +672,28 @@ class GrpcConnection(asyncio.Protocol):
         """HTTP 415 and a line of text for a request that is not gRPC."""
         self.h2.send_headers(stream_id, _NOT_GRPC_HEADERS)
         self.h2.send_data(stream_id, _NOT_GRPC_BODY, end_stream=True)
+
+    def _not_post(self, stream_id: int, http_method: bytes, content_type: bytes) -> None:
+        """grpc-go's answer (1.47 on, so etcd 3.5.10 on) to a gRPC request whose
+        method is not POST: HTTP 405, its content type echoed as grpc-go does
+        (the subtype after "+" or ";"), and INTERNAL in the same header block,
+        which ends the stream (RST_STREAM(NO_ERROR) follows if the request had
+        not ended)."""
+        base = header_blocks.GRPC_CONTENT_TYPE
+        separator = content_type[len(base) : len(base) + 1]
+        subtype = content_type[len(base) + 1 :] if separator in (b"+", b";") else b""
+        message = (
+            f"Received a HEADERS frame with :method {go_quote(http_method)} which should be POST"
+        )
+        block = header_blocks.block(
+            [
+                (b":status", b"405"),
+                (b"content-type", base + b"+" + subtype if subtype else base),
+                (b"grpc-status", str(int(Status.INTERNAL)).encode()),
+                (b"grpc-message", encode_message(message)),
+            ]
+        )
+        self.h2.send_headers(stream_id, block, end_stream=True)
 
     def _refuse(self, stream_id: int, code: Status, message: str) -> None:
         self.h2.send_headers(

@@ -22,7 +22,9 @@ time, and once it reaches the store's revision it rejoins the fan-out index. All
 this runs on the one event loop with no await in between, so a watcher never sees
 a gap or a duplicate between history and live events. A watcher whose
 `next_revision` has been compacted away is cancelled with `compact_revision` set,
-as etcd does.
+as etcd does, and, as in etcd, it keeps its id on the stream until the client
+cancels it: a `cancel_request` for it is answered `canceled`, a create with its
+id is a duplicate, and (etcd 3.5) it holds back progress responses meanwhile.
 
 Memory is bounded per stream: at most `OUTBOX_MAX_EVENTS` events or
 `OUTBOX_MAX_BYTES` bytes wait in an outbox; beyond that, watchers fall back to
@@ -89,6 +91,10 @@ class Watcher:
     synced: bool = False
     quiet_since_progress: bool = True
     consumer: bool = False  # a queue consumer: gets deliveries, not events
+    compacted: bool = False
+    """Cancelled by a compaction: gets nothing more, but keeps its id on the
+    stream until the client cancels it (etcd's watcher.compacted: its mvcc
+    layer drops it from both watcher groups, its watch stream keeps it)."""
 
     def covers(self, key: bytes) -> bool:
         if self.end is None:
@@ -145,7 +151,17 @@ class WatchStream:
         return self.outbox_events < OUTBOX_RESUME_EVENTS and self.outbox_bytes < OUTBOX_RESUME_BYTES
 
     def unsynced(self) -> list[Watcher]:
-        return [w for w in self.watchers.values() if not w.synced and not w.consumer]
+        """The watchers that still have history to catch up on."""
+        return [
+            w for w in self.watchers.values() if not w.synced and not w.consumer and not w.compacted
+        ]
+
+    def progress_held(self) -> bool:
+        """A stream-wide progress response must wait: a watcher is behind, or
+        cancelled by a compaction and not yet by the client (etcd 3.5's
+        progressIfSync wants every watcher of the stream in its synced group,
+        and a compacted one is in neither group)."""
+        return any(not w.synced and not w.consumer for w in self.watchers.values())
 
 
 def _fill_kv(dst: kv_pb2.KeyValue, kv: KeyValue) -> None:
@@ -290,14 +306,18 @@ class WatchHub:
         self._remove(watcher)
         if watcher.consumer and self.consumers is not None:
             self.consumers.release(watcher)
+        # etcd's answer, for a watcher a compaction cancelled too: the id,
+        # canceled, the current revision; no compact_revision, no reason
         response = rpc_pb2.WatchResponse(watch_id=watch_id, canceled=True)
         self._header(response, self.store.revision)
         stream.push(response)
+        if stream.progress_deferred and not stream.progress_held():
+            self._push_progress(stream)  # it was the last one holding it back
 
     def request_progress(self, stream: WatchStream) -> None:
         """A WatchProgressRequest: answer now if every watcher is synced, else as
         soon as they are."""
-        if not stream.unsynced():
+        if not stream.progress_held():
             self._push_progress(stream)
         else:
             stream.progress_deferred = True
@@ -460,7 +480,7 @@ class WatchHub:
             if not stream.has_room:
                 return
             if watcher.next_revision < store.compact_revision:
-                stream.watchers.pop(watcher.watch_id, None)
+                watcher.compacted = True  # its id stays taken until the client cancels it
                 # etcd sends this one with no header revision (its mvcc layer
                 # leaves WatchResponse.Revision unset for it)
                 response = rpc_pb2.WatchResponse(
@@ -483,5 +503,5 @@ class WatchHub:
                 watcher.next_revision = upto + 1
                 if upto >= store.revision:
                     self._sync(watcher)
-        if stream.progress_deferred and not stream.unsynced():
+        if stream.progress_deferred and not stream.progress_held():
             self._push_progress(stream)

@@ -42,7 +42,9 @@ api/v3election, client/v3/concurrency): none needed a 3.5-specific expectation.
 The cases avoid what differs: a WatchProgressRequest is only sent when every
 watcher of the stream is synced (3.4 answers at once, 3.5.9 defers the answer,
 3.5.17 drops the request while a watcher catches up, and answers nothing on a
-stream with no watchers).
+stream with no watchers); in 3.5 a watcher that a compaction cancelled counts
+as not synced until the client cancels it too (tests/unit/
+test_watch_compacted.py has ours).
 """
 
 from __future__ import annotations
@@ -1281,6 +1283,30 @@ def wcase_compacted(c: Ctx) -> list[WStep]:
         # at the compaction revision: the history since
         watch(2, key=a, start_revision=c.rev(2), watch_id=3),
         then(put(a, b"4"), 2),
+        # etcd 3.5 holds back a progress response while the compacted watcher
+        # is on the stream (3.4 does not): cancelled first, as clientv3 does
+        unwatch(2),
+        progress(),
+    ]
+
+
+@watch_case
+def wcase_compacted_until_canceled(c: Ctx) -> list[WStep]:
+    a = c.k("a")
+    return [
+        then(put(a, b"1"), 0),  # +1
+        then(put(a, b"2"), 0),  # +2
+        then(compact(c.rev(2)), 0),
+        watch(2, key=a, start_revision=c.rev(1), watch_id=5),  # created, compacted
+        # the stream still holds the compacted watch: its id is taken...
+        watch(key=a, watch_id=5),
+        then(put(a, b"3"), 0),  # ...and it gets nothing more
+        # ...until the client cancels it, which etcd answers (canceled, the
+        # current revision, no compact_revision)
+        unwatch(5),
+        unwatch(5, 0),  # gone now: no answer
+        watch(key=a, watch_id=5),  # the id is free again
+        then(put(a, b"4"), 1),
         progress(),
     ]
 
