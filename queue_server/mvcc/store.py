@@ -302,18 +302,20 @@ class MVCCStore:
 
     def _put(self, key: bytes, value: bytes, lease: int, revision: int, sub: int) -> Event:
         codes = self._index.get(key)
-        if codes is None:
-            codes = self._index[key] = []
-        last = codes[-1] if codes else 1
-        if last & 1:  # no key, or a tombstone: a new generation
+        code = position(revision, sub) << 1
+        if codes is None or codes[-1] & 1:  # no key, or a tombstone: a new generation
             prev = None
             kv = KeyValue(key, revision, revision, 1, value, lease)
             self._key_count += 1
         else:
-            prev = self._load(last)
+            prev = self._load(codes[-1])
             kv = KeyValue(key, prev.create_revision, revision, prev.version + 1, value, lease)
-        code = position(revision, sub) << 1
-        codes.append(code)
+        if codes is None:
+            # A literal list holds exactly one slot (append over-allocates four):
+            # most keys of a large keyspace have one revision.
+            self._index[key] = [code]
+        else:
+            codes.append(code)
         self._pending[code] = kv
         self._pending_bytes += len(key) + len(value) + RECORD_OVERHEAD_BYTES
         return Event(False, kv, prev)
@@ -439,8 +441,9 @@ class MVCCStore:
         for pos, tombstone, key, lease in revisions:
             codes = index.get(key)
             if codes is None:
-                codes = index[key] = []
-            codes.append(pos << 1 | tombstone)
+                index[key] = [pos << 1 | tombstone]  # one slot, see _put
+            else:
+                codes.append(pos << 1 | tombstone)
             if lease and not tombstone:
                 leased[key] = lease
             elif key in leased:

@@ -213,13 +213,13 @@ class Backend:
             return 0
 
     def _measure_in_use(self) -> int:
+        """Pages of the data's trees (key revisions and sections), not LMDB's
+        fixed meta and catalogue pages: an empty store uses nothing, as the
+        quota expects (etcd's dbSizeInUse also counts bbolt's few fixed pages)."""
         with self.env.begin() as txn:
-            stats = [txn.stat(db) for db in (self._key, self._meta, self._state)]
-        main = self.env.stat()
-        pages = 2  # the two meta pages
-        for s in [main, *stats]:
-            pages += s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"]
-        return pages * main["psize"]
+            stats = [txn.stat(db) for db in (self._key, self._state)]
+        pages = sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"] for s in stats)
+        return pages * self.env.stat()["psize"]
 
     # -- reads in other threads ---------------------------------------------------------
 

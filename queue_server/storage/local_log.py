@@ -79,6 +79,17 @@ values holds between checkpoints (etcd's backend commits every 100 ms or
 checkpoint also writes the queue sections)."""
 
 
+CHECKPOINT_SMALL_ENTRIES = 10_000
+"""Entries after which a checkpoint starts anyway while the sections are cheap to
+export (the last export took under `CHEAP_SECTIONS_SECONDS`): etcd's backend
+batch limit. Small checkpoints keep each commit's work on the backend thread
+(and the GIL it takes from the loop) short, and restarts replay little."""
+
+CHEAP_SECTIONS_SECONDS = 0.002
+"""An export of the queue and CQS sections this fast costs the loop nothing
+worth counting; a slower one (a large queue state) waits for `snapshot_count`."""
+
+
 class BackendBehindLogError(RuntimeError):
     """The backend and the WAL do not meet: the backend is older than the WAL's
     first record, or ahead of its last one. Starting would serve a state with
@@ -164,6 +175,7 @@ class LocalLog:
         self._checkpoint_index = 0  # the backend's consistent index
         self._checkpoint: asyncio.Task[bool] | None = None  # one in flight at a time
         self._checkpoints_held = 0  # a defragment copies the file meanwhile
+        self._sections_seconds = 0.0  # how long the last checkpoint's export took
         self._failed: BaseException | None = None
         self._wal_job = False  # the writer thread owns the WAL files meanwhile
         self._closed = False
@@ -189,7 +201,13 @@ class LocalLog:
             image = backend.sections()
             if image is None:
                 raise CorruptSnapshotError(f"{backend.path}: a consistent index but no sections")
-            contents = snapshot.decode(image, os.path.join(backend.path, "sections"))
+            name = os.path.join(backend.path, "sections")
+            try:
+                contents = snapshot.decode(image, name)
+            except CorruptSnapshotError as e:
+                raise CorruptSnapshotError(
+                    f"{e}; the backend's state cannot be read: refusing to start"
+                ) from e
             sm.restore_state(contents.state, backend.scan_keys())
         elif os.path.isdir(legacy):
             snaps = SnapshotStore(legacy, fsync=self.fsync)
@@ -394,9 +412,14 @@ class LocalLog:
         if self._checkpoint is not None or self._checkpoints_held or self._failed is not None:
             return False
         sm = self.state_machine
+        entries = sm.applied_index - self._checkpoint_index
         return (
-            sm.applied_index - self._checkpoint_index >= self.snapshot_count
+            entries >= self.snapshot_count
             or sm.store.pending_bytes >= CHECKPOINT_BYTES
+            or (
+                entries >= CHECKPOINT_SMALL_ENTRIES
+                and self._sections_seconds < CHEAP_SECTIONS_SECONDS
+            )
         )
 
     def _start_checkpoint(self) -> asyncio.Task[bool]:
@@ -404,7 +427,9 @@ class LocalLog:
         backend thread; the task answers whether it committed."""
         assert self._checkpoint is None
         loop = asyncio.get_running_loop()
+        started = time.monotonic()
         index, writes, dropped, sections = self.state_machine.checkpoint()
+        self._sections_seconds = time.monotonic() - started
         written = loop.run_in_executor(
             self._backend_thread, self._write_checkpoint, index, writes, dropped, sections
         )

@@ -1,7 +1,7 @@
 """Damaged data dirs, through a real server process: a torn log tail is cut and
 the server serves everything acknowledged before it, saying in its log what it
-dropped; a damaged record with good records after it, and a snapshot that fails
-its checksum (with no older one the log reaches back to), stop the server at
+dropped; a damaged record with good records after it, and a backend whose
+state image fails its checksum, stop the server at
 startup with exit status 1 and a message naming the file: damaged state is never
 served. The record-level cases are in `tests/unit/test_storage.py`.
 """
@@ -102,7 +102,7 @@ def test_damaged_record_in_the_middle_refuses_to_start(tmp_path: Path) -> None:
     server.start()
     try:
         _write_keys(server, "k")
-        server.stop()
+        server.kill()  # a stop checkpoints the backend and leaves the log empty
         segment = _newest_segment(server.data_dir)
         data = bytearray(segment.read_bytes())
         middle = len(data) // 2
@@ -117,26 +117,30 @@ def test_damaged_record_in_the_middle_refuses_to_start(tmp_path: Path) -> None:
             server.stop()
 
 
-def test_corrupt_snapshot_is_refused(tmp_path: Path) -> None:
-    server = ServerProcess(tmp_path / "snap.etcd", extra_args=["--snapshot-count", "10"])
+def test_damaged_backend_image_is_refused(tmp_path: Path) -> None:
+    """The backend's sections image (queues, leases, auth... beside the key
+    revisions) carries its own checksum: a flipped bit in it stops the start,
+    naming it, and the same file with the bit back serves everything."""
+    server = ServerProcess(tmp_path / "db.etcd")
     server.start()
     try:
         acknowledged = _write_keys(server, "k")
-        server.stop()
-        snaps = sorted((server.data_dir / "snap").glob("*.snap"))
-        assert snaps, "no snapshot was taken"
-        newest = snaps[-1]
-        data = bytearray(newest.read_bytes())
-        data[-5] ^= 0x01
-        newest.write_bytes(bytes(data))
+        server.stop()  # a stop checkpoints: the state is in member/db
+        db = server.data_dir / "member" / "db" / "data.mdb"
+        data = bytearray(db.read_bytes())
+        images = [m.start() for m in re.finditer(re.escape(b"QSNAP2\n"), data)]
+        assert images, "no sections image in the backend"
+        for at in images:  # the committed one, and any copy in a freed page
+            data[at + 12] ^= 0x01
+        db.write_bytes(bytes(data))
         text = _refused_start(server)
-        assert re.search(
-            rf"\S*{newest.name} is not a valid snapshot: it fails its checksum", text
-        ), text[-2000:]
+        assert re.search(r"sections is not a valid snapshot: it fails its checksum", text), text[
+            -2000:
+        ]
         assert "refusing to start" in text
-        # the operator restores the good snapshot file (here: the bytes back)
-        data[-5] ^= 0x01
-        newest.write_bytes(bytes(data))
+        for at in images:
+            data[at + 12] ^= 0x01
+        db.write_bytes(bytes(data))
         server.start()
         assert _read_all(server) == acknowledged
     finally:
