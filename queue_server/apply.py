@@ -56,6 +56,34 @@ class Proposer(Protocol):
         ...
 
 
+Rows = dict[bytes, bytes | None]
+"""Rows of a backend table changed since the last checkpoint: row key -> its
+bytes, or None where the row is gone."""
+
+
+class TableOwner(Protocol):
+    """A part of the state that keeps its bulky rows (one per message or
+    notification) in a backend table of its own, written as deltas at each
+    checkpoint, instead of in the sections image, which a checkpoint writes
+    whole. The rest of it (configs, counters) stays in `export_sections`."""
+
+    table: str
+    """Its table's name (storage.backend.TABLES)."""
+
+    def keep_rows(self) -> None:
+        """From now on, record the rows each change touches (`take_rows`)."""
+        ...
+
+    def take_rows(self) -> Rows:
+        """The rows changed since the last call, for a checkpoint."""
+        ...
+
+    def return_rows(self, rows: Rows) -> None:
+        """A checkpoint failed: `rows` (what `take_rows` gave) are unwritten;
+        rows changed since then are newer and win."""
+        ...
+
+
 STATE_FORMAT = 1
 """Version of `export_state`'s layout; bump when it changes."""
 
@@ -89,6 +117,20 @@ class Effects:
 
 
 NO_EFFECTS = Effects()
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    """What one checkpoint writes: the state at log index `index`, as the key
+    revisions made since the last one (entry code -> KeyValue, tombstones too),
+    the committed revisions compaction dropped, the sections (plain data, for
+    the image) and the tables' changed rows."""
+
+    index: int
+    writes: dict[int, KeyValue]
+    dropped: list[int]
+    sections: dict[str, Any]
+    tables: dict[str, Rows]
 
 
 class ApplyFailed(RuntimeError):
@@ -125,10 +167,16 @@ class StateMachine:
         self.failed: ApplyFailed | None = None
 
     def use_backend(self, backend: CommittedRevisions) -> None:
-        """Keep the key revisions in `backend` (before anything is applied)."""
+        """Keep the key revisions in `backend` (before anything is applied), and
+        the parts' rows in its tables."""
         assert self.applied_index == 0 and self.store.revision == 1, "state already built"
         self.backend = backend
         self._use_store(MVCCStore(backend))
+        for owner in self._table_owners():
+            owner.keep_rows()
+
+    def _table_owners(self) -> list[TableOwner]:
+        return [self.cqs, self.queues]
 
     def _use_store(self, store: MVCCStore) -> None:
         self.store = store
@@ -270,14 +318,15 @@ class StateMachine:
         """`export_state` without the key histories (its mvcc part holds only the
         revision and compaction revision): what a checkpoint writes beside the
         key revisions it takes from `store.take_batch`."""
+        kept = self.backend is not None  # the owners' rows are in their tables
         return {
             "format": STATE_FORMAT,
             "applied_index": self.applied_index,
             "mvcc": (self.store.revision, self.store.compact_revision, []),
             "leases": self.lessor.export_state(),
             "alarms": self.alarms.export_state(),
-            "queues": self.queues.export_state(),
-            "cqs": self.cqs.export_state(),
+            "queues": self.queues.export_sections() if kept else self.queues.export_state(),
+            "cqs": self.cqs.export_sections() if kept else self.cqs.export_state(),
             "members": dict(self.members),
             "auth": self.auth.export_state(),
         }
@@ -286,11 +335,13 @@ class StateMachine:
         self,
         state: dict[str, Any],
         revisions: Iterator[tuple[int, bool, bytes, int]] | None = None,
+        tables: Callable[[str], Iterator[tuple[bytes, bytes]]] | None = None,
     ) -> None:
         """Become `state` (an `export_state`, or an `export_sections` whose key
         revisions come from `revisions`: the backend's scan, see
-        `MVCCStore.load_revisions`). From an exported state every key revision
-        is pending: the caller checkpoints them into the backend."""
+        `MVCCStore.load_revisions`, and whose parts' rows come from `tables`,
+        the backend's tables by name). From an exported state every key
+        revision and row is pending: the caller checkpoints them."""
         if state.get("format") != STATE_FORMAT:
             raise RuntimeError(f"snapshot format {state.get('format')!r} is not {STATE_FORMAT}")
         store = MVCCStore.from_state(state["mvcc"], self.backend)
@@ -299,27 +350,30 @@ class StateMachine:
         self._use_store(store)
         self.lessor.restore_state(state["leases"], self.store)
         self.alarms.restore_state(state["alarms"])
-        self.queues.restore_state(state["queues"], self.store)
-        self.cqs.restore_state(state.get("cqs", []))
+        queue_rows = tables("mq") if tables is not None else None
+        self.queues.restore_state(state["queues"], self.store, queue_rows)
+        self.cqs.restore_state(state.get("cqs", []), tables("cqs") if tables is not None else None)
         self.router.forget()
         self.members = dict(state.get("members", {}))
         self.auth.restore_state(state.get("auth"))
         self.applied_index = state["applied_index"]
 
-    def checkpoint(self) -> tuple[int, dict[int, KeyValue], list[int], dict[str, Any]]:
-        """What a checkpoint writes, at the applied index: (index, key revisions
-        made since the last one, revisions compaction dropped, the sections).
-        The revisions stay readable until `checkpoint_done` or `checkpoint_failed`."""
+    def checkpoint(self) -> Checkpoint:
+        """What a checkpoint writes, at the applied index. The revisions stay
+        readable until `checkpoint_done` or `checkpoint_failed`."""
         writes, dropped = self.store.take_batch()
-        return self.applied_index, writes, dropped, self.export_sections()
+        tables = {owner.table: owner.take_rows() for owner in self._table_owners()}
+        return Checkpoint(self.applied_index, writes, dropped, self.export_sections(), tables)
 
     def checkpoint_done(self) -> None:
         """The backend holds the checkpoint and its reader sees it."""
         self.store.batch_committed()
 
-    def checkpoint_failed(self, dropped: list[int]) -> None:
-        """The checkpoint was not written; its revisions are pending again."""
-        self.store.batch_failed(dropped)
+    def checkpoint_failed(self, checkpoint: Checkpoint) -> None:
+        """The checkpoint was not written; its revisions and rows are pending again."""
+        self.store.batch_failed(checkpoint.dropped)
+        for owner in self._table_owners():
+            owner.return_rows(checkpoint.tables.get(owner.table, {}))
 
 
 def _needs_space(kind: str | None, command: internal_pb2.Command, router: KeyspaceRouter) -> bool:

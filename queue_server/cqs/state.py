@@ -548,7 +548,29 @@ class CqsState:
             for q in self.queues.values()
         ]
 
-    def restore_state(self, state: Iterable[dict[str, Any]]) -> None:
+    # -- checkpoints (apply.TableOwner) -------------------------------------
+
+    table = "cqs"
+
+    def keep_rows(self) -> None:
+        """Rows are not kept in a table yet: the whole state is in the sections."""
+
+    def take_rows(self) -> dict[bytes, bytes | None]:
+        return {}
+
+    def return_rows(self, rows: dict[bytes, bytes | None]) -> None:
+        return None
+
+    def export_sections(self) -> list[Any]:
+        """What a checkpoint's sections image holds of this part (the rest is in
+        its table's rows)."""
+        return self.export_state()
+
+    def restore_state(
+        self,
+        state: Iterable[dict[str, Any]],
+        rows: Iterator[tuple[bytes, bytes]] | None = None,
+    ) -> None:
         self.queues = {}
         for s in state:
             subs = [(str(t), str(a)) for t, a in s["subscriptions"]]

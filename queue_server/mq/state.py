@@ -32,6 +32,7 @@ node's (`delivery.py`, `ack_policy.py`, `node/consumers.py`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -451,7 +452,30 @@ class QueueState:
             for q in self.queues.values()
         ]
 
-    def restore_state(self, state: list[Any], store: MVCCStore) -> None:
+    # -- checkpoints (apply.TableOwner) -------------------------------------
+
+    table = "mq"
+
+    def keep_rows(self) -> None:
+        """Rows are not kept in a table yet: the whole state is in the sections."""
+
+    def take_rows(self) -> dict[bytes, bytes | None]:
+        return {}
+
+    def return_rows(self, rows: dict[bytes, bytes | None]) -> None:
+        return None
+
+    def export_sections(self) -> list[Any]:
+        """What a checkpoint's sections image holds of this part (the rest is in
+        its table's rows)."""
+        return self.export_state()
+
+    def restore_state(
+        self,
+        state: list[Any],
+        store: MVCCStore,
+        rows: Iterator[tuple[bytes, bytes]] | None = None,
+    ) -> None:
         """Counters, consumers and assignments from the snapshot; settings
         and message keys from the store."""
         self.queues = {}

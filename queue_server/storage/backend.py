@@ -12,7 +12,8 @@ The sub-databases (etcd's bucket names where etcd has the bucket):
 |---|---|
 | `key` | revision: main u64 BE, `_`, sub u64 BE, and `t` for a tombstone -> mvccpb.KeyValue (a tombstone's holds only the key), exactly etcd's `key` bucket |
 | `meta` | `consistent_index` -> u64 BE, the applied log index the file holds everything up to |
-| `state` | `sections` -> a QSNAP2 image of everything but the key revisions (leases, alarms, queues, CQS, members, auth, and the store's revision and compaction revision) at `consistent_index` |
+| `state` | `sections` -> a QSNAP2 image of everything but the key revisions and the tables (leases, alarms, queues, CQS, members, auth, and the store's revision and compaction revision) at `consistent_index` |
+| `t:<name>` | a table of a part of the state that keeps its rows here instead of in the sections (`TABLES`: the queues' messages, CQS notifications), written as deltas: row key -> row bytes |
 
 Theory of operation
 -------------------
@@ -38,7 +39,7 @@ from __future__ import annotations
 import os
 import shutil
 import struct
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
@@ -60,6 +61,9 @@ pages are used). 64 GiB is eight times etcd's largest recommended quota; on
 
 DB_DIR = os.path.join("member", "db")
 """Where the environment lives in a data dir."""
+
+TABLES = ("cqs", "mq")
+"""The row tables parts of the state may keep (see `CommitBatch.tables`)."""
 
 _CONSISTENT_INDEX = b"consistent_index"
 _SECTIONS = b"sections"
@@ -113,13 +117,16 @@ class CommitBatch:
     `writes` maps entry codes (`position << 1 | tombstone`) to the revision's
     fields; `deletes` lists entry codes compaction dropped (a code written in
     this same batch is simply not written); `sections` is the image of the
-    rest of the state, or None if it is unchanged since the last checkpoint.
+    rest of the state, or None if it is unchanged since the last checkpoint;
+    `tables` maps a table name of `TABLES` to its rows changed since the last
+    checkpoint (row key -> bytes, or None: the row is gone).
     """
 
     index: int
     writes: Mapping[int, KeyValueFields] = field(default_factory=dict)
     deletes: list[int] = field(default_factory=list)
     sections: bytes | None = None
+    tables: Mapping[str, Mapping[bytes, bytes | None]] = field(default_factory=dict)
 
 
 class Backend:
@@ -141,7 +148,7 @@ class Backend:
         self.env = lmdb.open(
             self.path,
             map_size=self.map_bytes,
-            max_dbs=4,
+            max_dbs=4 + len(TABLES),
             sync=self.fsync,
             metasync=self.fsync,
             readahead=False,
@@ -150,6 +157,7 @@ class Backend:
         self._key = self.env.open_db(b"key")
         self._meta = self.env.open_db(b"meta")
         self._state = self.env.open_db(b"state")
+        self._tables = {name: self.env.open_db(b"t:" + name.encode()) for name in TABLES}
         self.reader = self.env.begin(buffers=False)
         self._in_use = self._measure_in_use()
 
@@ -189,6 +197,13 @@ class Backend:
             kv = parse(raw)
             yield position, tombstone, kv.key, kv.lease
 
+    def table_rows(
+        self, name: str, txn: lmdb.Transaction | None = None
+    ) -> Iterator[tuple[bytes, bytes]]:
+        """The rows of table `name` in key order."""
+        cursor = (txn or self.reader).cursor(db=self._tables[name])
+        yield from cast(Iterator[tuple[bytes, bytes]], cursor.iternext())
+
     def consistent_index_in(self, txn: lmdb.Transaction) -> int:
         raw = txn.get(_CONSISTENT_INDEX, db=self._meta)
         return _U64.unpack(raw)[0] if raw is not None else 0
@@ -217,7 +232,7 @@ class Backend:
         fixed meta and catalogue pages: an empty store uses nothing, as the
         quota expects (etcd's dbSizeInUse also counts bbolt's few fixed pages)."""
         with self.env.begin() as txn:
-            stats = [txn.stat(db) for db in (self._key, self._state)]
+            stats = [txn.stat(db) for db in (self._key, self._state, *self._tables.values())]
         pages = sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"] for s in stats)
         return pages * self.env.stat()["psize"]
 
@@ -244,6 +259,13 @@ class Backend:
                 tombstone = bool(code & 1)
                 value = encode_tombstone(kv.key) if tombstone else encode_kv(kv)
                 put(revision_key(code >> 1, tombstone), value, db=key_db)
+            for name, rows in batch.tables.items():
+                table = self._tables[name]
+                for row_key, row in rows.items():
+                    if row is None:
+                        delete(row_key, db=table)
+                    else:
+                        put(row_key, row, db=table)
             if batch.sections is not None:
                 put(_SECTIONS, batch.sections, db=self._state)
             put(_CONSISTENT_INDEX, _U64.pack(batch.index), db=self._meta)
@@ -253,20 +275,6 @@ class Backend:
         """On the loop, after a commit: the reader sees the new checkpoint."""
         self.reader.abort()
         self.reader = self.env.begin(buffers=False)
-
-    def replace_all(self, index: int, revisions: Iterable[tuple[int, KeyValueFields]]) -> None:
-        """Empty the file and write `revisions` ((entry code, fields)) at `index`,
-        with no sections yet (a restore: the caller checkpoints right after)."""
-        with self.env.begin(write=True) as txn:
-            txn.drop(self._key, delete=False)
-            txn.drop(self._state, delete=False)
-            for code, kv in revisions:
-                tombstone = bool(code & 1)
-                value = encode_tombstone(kv.key) if tombstone else encode_kv(kv)
-                txn.put(revision_key(code >> 1, tombstone), value, db=self._key)
-            txn.put(_CONSISTENT_INDEX, _U64.pack(index), db=self._meta)
-        self._in_use = self._measure_in_use()
-        self.renew_reader()
 
     # -- defragmenting ------------------------------------------------------------------
 

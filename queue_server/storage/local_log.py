@@ -49,19 +49,19 @@ import logging
 import os
 import time
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO
 
 import lmdb
 
 from etcdserverpb import internal_pb2, kv_pb2
-from queue_server.apply import Applier, ApplyFailed, ApplyResult
+from queue_server.apply import Applier, ApplyFailed, ApplyResult, Checkpoint
 from queue_server.errors import NoSpace, RequestTooLarge, ServerStopped, TooManyRequests
 from queue_server.mvcc.store import hash_change, position
 from queue_server.storage import etcd_backend, snapshot
-from queue_server.storage.backend import DB_DIR, Backend, CommitBatch, KeyValueFields
+from queue_server.storage.backend import DB_DIR, Backend, CommitBatch
 from queue_server.storage.snapshot import CorruptSnapshotError, SnapshotStore
 from queue_server.storage.wal import WALFullError, WALGapError, WriteAheadLog
 
@@ -208,7 +208,7 @@ class LocalLog:
                 raise CorruptSnapshotError(
                     f"{e}; the backend's state cannot be read: refusing to start"
                 ) from e
-            sm.restore_state(contents.state, backend.scan_keys())
+            sm.restore_state(contents.state, backend.scan_keys(), backend.table_rows)
         elif os.path.isdir(legacy):
             snaps = SnapshotStore(legacy, fsync=self.fsync)
             loaded, broken = snaps.load_usable()
@@ -276,11 +276,11 @@ class LocalLog:
 
     def _checkpoint_blocking(self) -> None:
         """A checkpoint written on the calling thread (startup, before serving)."""
-        index, writes, dropped, sections = self.state_machine.checkpoint()
-        self._write_checkpoint(index, writes, dropped, sections)
+        checkpoint = self.state_machine.checkpoint()
+        self._write_checkpoint(checkpoint)
         self.backend.renew_reader()
         self.state_machine.checkpoint_done()
-        self._checkpoint_index = index
+        self._checkpoint_index = checkpoint.index
 
     @property
     def last_index(self) -> int:
@@ -428,36 +428,32 @@ class LocalLog:
         assert self._checkpoint is None
         loop = asyncio.get_running_loop()
         started = time.monotonic()
-        index, writes, dropped, sections = self.state_machine.checkpoint()
+        checkpoint = self.state_machine.checkpoint()
         self._sections_seconds = time.monotonic() - started
-        written = loop.run_in_executor(
-            self._backend_thread, self._write_checkpoint, index, writes, dropped, sections
-        )
-        self._checkpoint = loop.create_task(self._finish_checkpoint(written, index, dropped))
+        written = loop.run_in_executor(self._backend_thread, self._write_checkpoint, checkpoint)
+        self._checkpoint = loop.create_task(self._finish_checkpoint(written, checkpoint))
         return self._checkpoint
 
-    def _write_checkpoint(
-        self,
-        index: int,
-        writes: Mapping[int, KeyValueFields],
-        dropped: list[int],
-        sections: dict[str, Any],
-    ) -> float:
+    def _write_checkpoint(self, checkpoint: Checkpoint) -> float:
         """On the backend thread: the sections' image and one LMDB commit."""
         started = time.monotonic()
-        image = snapshot.encode(index, sections)
-        self.backend.commit(CommitBatch(index, writes, dropped, image))
+        index = checkpoint.index
+        image = snapshot.encode(index, checkpoint.sections)
+        self.backend.commit(
+            CommitBatch(index, checkpoint.writes, checkpoint.dropped, image, checkpoint.tables)
+        )
         return time.monotonic() - started
 
     async def _finish_checkpoint(
-        self, written: asyncio.Future[float], index: int, dropped: list[int]
+        self, written: asyncio.Future[float], checkpoint: Checkpoint
     ) -> bool:
         sm = self.state_machine
+        index = checkpoint.index
         try:
             try:
                 seconds = await written
             except (lmdb.Error, OSError) as e:
-                sm.checkpoint_failed(dropped)
+                sm.checkpoint_failed(checkpoint)
                 log.error("backend checkpoint failed, will retry index=%d error=%r", index, e)
                 if _is_disk_full(e) and self.on_no_space is not None:
                     self.on_no_space()
