@@ -294,6 +294,13 @@ class MVCCStore:
             return None
         return self._load(codes[-1])
 
+    def keys_in(self, key: bytes, end: bytes | None) -> Iterator[bytes]:
+        """The keys that exist now in [key, end) (as `range`'s bounds), in key
+        order, from the index alone: no value is loaded."""
+        for k, codes in self._histories(key, end):
+            if not codes[-1] & 1:
+                yield k
+
     # -- writes ---------------------------------------------------------------
 
     def write(self) -> WriteTxn:

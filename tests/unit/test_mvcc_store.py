@@ -75,6 +75,16 @@ def test_range_bounds_limit_and_count() -> None:
     assert store.range(b"d", b"b").kvs == []  # end before key: nothing
 
 
+def test_keys_in_lists_what_range_finds_without_values() -> None:
+    store = MVCCStore()
+    for k in (b"a", b"b", b"c", b"d"):
+        put(store, k, k)
+    delete(store, b"c")
+    for key, end in ((b"a", ALL_KEYS_END), (b"b", b"d"), (b"b", None), (b"c", None)):
+        assert list(store.keys_in(key, end)) == [kv.key for kv in store.range(key, end).kvs]
+    assert list(store.keys_in(b"a", ALL_KEYS_END)) == [b"a", b"b", b"d"]
+
+
 def test_future_and_compacted_revisions_are_refused() -> None:
     store = MVCCStore()
     put(store, b"a", b"1")
