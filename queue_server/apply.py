@@ -310,15 +310,16 @@ class StateMachine:
 
     def export_state(self) -> dict[str, Any]:
         """Plain data describing the whole state, for a snapshot."""
-        state = self.export_sections()
+        state = self.export_sections(full=True)
         state["mvcc"] = self.store.export_state()
         return state
 
-    def export_sections(self) -> dict[str, Any]:
+    def export_sections(self, full: bool = False) -> dict[str, Any]:
         """`export_state` without the key histories (its mvcc part holds only the
         revision and compaction revision): what a checkpoint writes beside the
-        key revisions it takes from `store.take_batch`."""
-        kept = self.backend is not None  # the owners' rows are in their tables
+        key revisions it takes from `store.take_batch`. `full`: with the rows
+        the parts keep in tables too (a Raft snapshot file's state)."""
+        kept = self.backend is not None and not full  # the owners' rows are in their tables
         return {
             "format": STATE_FORMAT,
             "applied_index": self.applied_index,
