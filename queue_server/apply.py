@@ -29,7 +29,7 @@ from queue_server.errors import EtcdError, NoSpace, ServerStopped
 from queue_server.keyspace.router import KeyspaceRouter
 from queue_server.kv.executor import KVExecutor, is_read_only
 from queue_server.lease.lessor import Lessor
-from queue_server.mq.state import Assignment, QueueState
+from queue_server.mq.state import Assignment, QueueState, sections_with_rows
 from queue_server.mvcc.store import CommittedRevisions, Event, KeyValue, MVCCStore
 
 log = logging.getLogger(__name__)
@@ -375,6 +375,16 @@ class StateMachine:
         self.store.batch_failed(checkpoint.dropped)
         for owner in self._table_owners():
             owner.return_rows(checkpoint.tables.get(owner.table, {}))
+
+
+def sections_with_tables(
+    sections: dict[str, Any], tables: Callable[[str], Iterator[tuple[bytes, bytes]]]
+) -> dict[str, Any]:
+    """A backend's sections (an `export_sections`) with the parts' rows from
+    `tables` folded back in: `export_sections(full=True)` as it was at that
+    checkpoint, what a snapshot of the whole state holds. Pure data, so a thread
+    with a read transaction can make it."""
+    return dict(sections, queues=sections_with_rows(sections["queues"], tables("mq")))
 
 
 def _needs_space(kind: str | None, command: internal_pb2.Command, router: KeyspaceRouter) -> bool:

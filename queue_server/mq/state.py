@@ -28,11 +28,51 @@ this module adds lives in the state machine, so it is deterministic:
 
 How deliveries reach a watch stream, ack deadlines and stuck streams are the
 node's (`delivery.py`, `ack_policy.py`, `node/consumers.py`).
+
+Checkpoints: the backend table `t:mq`
+-------------------------------------
+On a backend (`storage/backend.py`) this part is an `apply.TableOwner`. A
+checkpoint's sections image holds only what is per queue: name, spelling,
+next idx, the round-robin position (`next_consumer`) and the consumers in join
+order with their nodes, so its size follows the number of queues and
+consumers, never of messages. Each message the queue knows (pending or held)
+has a row, written as a delta with the checkpoint:
+
+    row key    {name} "/" idx (u64 BE)
+    row value  layout (u8, 1) | produced_ms (i64 BE) | attempts (u64 BE)
+               | hand-out (i64 BE) | holder (the rest: a consumer id; empty: pending)
+
+A name holds no "/", so each queue's rows are one run in idx order, and queues
+follow in the order of `name + "/"` (as their message keys sort in the store:
+`a.dead` before `a`). `produced_ms` 0 is unknown. `hand-out` orders a
+consumer's holds as it received them, which decides the order they are given
+back in (and so the dead-letter idx each gets): the queue's `next_consumer`
+when the message was handed out, which only grows; holds of a state restored
+from a full export are numbered below zero in their order. The value is a
+fixed struct rather than a protobuf message: there is one row per message,
+millions of them, written and read on the event loop's side of a checkpoint
+and at every restart, and a struct packs in a fraction of a microsecond with
+no optional or repeated parts to tag; the leading layout byte leaves room to
+change it, and a row of another layout is refused.
+
+Who holds a message is in the rows, not the sections: a consumer's holds are
+bounded by its `prefetch`, but prefetch has no upper bound, so the sections
+would not be. Which messages exist (and their keys) is not in the rows either:
+a restart takes it from the store's index (`MVCCStore.keys_in`), which holds
+every key anyway, without loading a message value; config values are read.
+
+After `keep_rows`, every change to a message's row (produced, handed out,
+given back, acknowledged or deleted, dead-lettered, redriven) marks its
+(name, idx) in a journal; `take_rows` turns the marks into the rows' current
+bytes (None: gone), so a row changed many times between checkpoints is
+written once, and `return_rows` marks a failed checkpoint's rows again, to be
+taken with their newest bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import struct
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +101,47 @@ hide; a consumer with longer work extends it with LeaseKeepAlive."""
 
 MAX_ACK_DEADLINE = 9_000_000_000
 """etcd's largest lease TTL (lease.MaxLeaseTTL), in seconds."""
+
+ROW_LAYOUT = 1
+"""The first byte of every row value of table `mq` (see the module docstring)."""
+_ROW = struct.Struct(">BqQq")  # layout, produced_ms, attempts, hand-out; then the holder
+_IDX = struct.Struct(">Q")
+
+
+def row_key(name: bytes, idx: int) -> bytes:
+    """The `mq` table's key of message `idx` of queue `name`."""
+    return name + b"/" + _IDX.pack(idx)
+
+
+def parse_row_key(key: bytes) -> tuple[bytes, int]:
+    """(queue name, idx) of a row key."""
+    if len(key) < 10 or key[-9] != 0x2F:  # a name of one byte or more, "/", u64
+        raise ValueError(f"mq row key {key!r} is not name/u64")
+    return key[:-9], _IDX.unpack_from(key, len(key) - 8)[0]
+
+
+def _pack_row(produced_ms: int, attempts: int, hand_out: int, holder: bytes) -> bytes:
+    return _ROW.pack(ROW_LAYOUT, produced_ms, attempts, hand_out) + holder
+
+
+@dataclass(frozen=True, slots=True)
+class MessageRow:
+    """One row of table `mq`: what the state keeps of one message besides its key."""
+
+    produced_ms: int = 0
+    attempts: int = 0
+    hand_out: int = 0
+    holder: bytes = b""  # consumer id; empty: pending
+
+    def encode(self) -> bytes:
+        return _pack_row(self.produced_ms, self.attempts, self.hand_out, self.holder)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> MessageRow:
+        if len(raw) < _ROW.size or raw[0] != ROW_LAYOUT:
+            raise ValueError(f"mq row {raw[: _ROW.size]!r} is not of layout {ROW_LAYOUT}")
+        _layout, produced_ms, attempts, hand_out = _ROW.unpack_from(raw)
+        return cls(produced_ms, attempts, hand_out, bytes(raw[_ROW.size :]))
 
 
 @dataclass(slots=True)
@@ -143,6 +224,9 @@ class QueueInfo:
     produced_ms: dict[int, int] = field(default_factory=dict)
     pending: SortedDict = field(default_factory=SortedDict)  # idx -> message key
     holder: dict[int, ConsumerSlot] = field(default_factory=dict)
+    # idx -> its hand-out number, for each held message (the rows' order of a
+    # consumer's holds; see the module docstring)
+    hand_out: dict[int, int] = field(default_factory=dict)
     consumers: dict[bytes, ConsumerSlot] = field(default_factory=dict)  # in join order
     next_consumer: int = 0
     # counted since this process started (metrics; not part of snapshots)
@@ -168,6 +252,21 @@ class QueueInfo:
         if not pending:
             return 0
         return self.produced_ms.get(pending.peekitem(0)[0], 0)
+
+    def row(self, idx: int) -> bytes | None:
+        """Message `idx`'s row bytes now, or None: the queue no longer has it."""
+        slot = self.holder.get(idx)
+        if slot is None:
+            if idx not in self.pending:
+                return None
+            return _pack_row(self.produced_ms.get(idx, 0), self.attempts.get(idx, 0), 0, b"")
+        produced_ms, attempts = self.produced_ms.get(idx, 0), self.attempts.get(idx, 0)
+        return _pack_row(produced_ms, attempts, self.hand_out.get(idx, 0), slot.consumer_id)
+
+    def message_idxs(self) -> Iterator[int]:
+        """Every message the queue knows: pending, then held."""
+        yield from self.pending
+        yield from self.holder
 
 
 class QueueState:
@@ -195,6 +294,8 @@ class QueueState:
         self._given_back: list[tuple[QueueInfo, int]] = []
         self._assigned: list[Assignment] = []
         self._now_ms = 0  # the command's stamp: new message keys are produced then
+        # With a backend: the (name, idx) of rows changed since `take_rows`
+        self._touched: set[tuple[bytes, int]] | None = None
 
     def _queue(self, name: bytes, spelling: bytes) -> QueueInfo:
         """The queue, created on first use with the spelling it was first used with."""
@@ -276,6 +377,7 @@ class QueueState:
                     if slot is not None:
                         q.acked += 1
                         slot.held.pop(qk.idx, None)
+                        q.hand_out.pop(qk.idx, None)
                         self._dirty.add(q)  # room in its prefetch window
             elif e.prev_kv is None:
                 q.produced += 1
@@ -284,6 +386,10 @@ class QueueState:
                 q.next_idx = max(q.next_idx, qk.idx + 1)
                 q.pending[qk.idx] = e.kv.key
                 self._dirty.add(q)
+            else:
+                return  # the same message put again: nothing of its row changes
+            if self._touched is not None:
+                self._touched.add((q.name, qk.idx))
         elif kind == "consume":
             self._follow_consumer(self._queue(qk.name, qk.spelling), qk.consumer, e)
         elif kind == "registry" and not e.is_delete:
@@ -308,11 +414,15 @@ class QueueState:
         """Count a failed delivery of each message `slot` still holds; it is
         pending again, or dead-lettered after this command at max_deliveries."""
         n = 0
+        touched = self._touched
         for idx in idxs:
             key = slot.held.pop(idx, None)
             if key is None:
                 continue
             del q.holder[idx]
+            q.hand_out.pop(idx, None)
+            if touched is not None:
+                touched.add((q.name, idx))
             n += 1
             attempts = q.attempts.get(idx, 0) + 1
             q.attempts[idx] = attempts
@@ -417,6 +527,7 @@ class QueueState:
         n = len(slots)
         without_room = 0
         batches: dict[ConsumerSlot, list[tuple[int, bytes]]] = {}
+        touched = self._touched
         while pending and without_room < n:
             slot = slots[q.next_consumer % n]
             q.next_consumer += 1
@@ -427,6 +538,9 @@ class QueueState:
             idx, key = pending.popitem(0)
             slot.held[idx] = key
             q.holder[idx] = slot
+            q.hand_out[idx] = q.next_consumer  # grows with every hand-out
+            if touched is not None:
+                touched.add((q.name, idx))
             q.delivered += 1
             batches.setdefault(slot, []).append((idx, key))
         for slot, items in batches.items():
@@ -457,27 +571,66 @@ class QueueState:
     table = "mq"
 
     def keep_rows(self) -> None:
-        """Rows are not kept in a table yet: the whole state is in the sections."""
+        """From now on, journal each message row a change touches (every
+        message there is counts as touched: the table has none of them yet)."""
+        self._touched = {(q.name, idx) for q in self.queues.values() for idx in q.message_idxs()}
 
     def take_rows(self) -> dict[bytes, bytes | None]:
-        return {}
+        """The rows changed since the last call (row key -> bytes, None: gone),
+        in key order, and an empty journal."""
+        touched = self._touched
+        if not touched:
+            return {}
+        self._touched = set()
+        queues = self.queues
+        rows: dict[bytes, bytes | None] = {}
+        for key, name, idx in sorted((row_key(name, idx), name, idx) for name, idx in touched):
+            q = queues.get(name)
+            rows[key] = q.row(idx) if q is not None else None
+        return rows
 
     def return_rows(self, rows: dict[bytes, bytes | None]) -> None:
-        return None
+        """A checkpoint failed: its rows are journaled again, so the next one
+        takes them as they are then (newer changes win, being the state)."""
+        if self._touched is not None:
+            self._touched.update(parse_row_key(key) for key in rows)
 
     def export_sections(self) -> list[Any]:
-        """What a checkpoint's sections image holds of this part (the rest is in
-        its table's rows)."""
-        return self.export_state()
+        """What a checkpoint's sections image holds of this part: export_state's
+        layout with only the per-queue scalars and the consumers (no attempts,
+        holds or produce times: those are the table's rows). Its size follows the
+        queues and consumers, not the messages."""
+        return [
+            (
+                q.name,
+                q.spelling,
+                q.next_idx,
+                {},
+                {
+                    "next_consumer": q.next_consumer,
+                    "consumers": [(s.consumer_id, s.node, []) for s in q.consumers.values()],
+                    "produced_ms": [],
+                },
+            )
+            for q in self.queues.values()
+        ]
 
     def restore_state(
         self,
         state: list[Any],
         store: MVCCStore,
-        rows: Iterator[tuple[bytes, bytes]] | None = None,
+        rows: Iterable[tuple[bytes, bytes]] | None = None,
     ) -> None:
-        """Counters, consumers and assignments from the snapshot; settings
-        and message keys from the store."""
+        """Become `state`: an `export_state`, or (with `rows`, the `mq` table in
+        key order) an `export_sections` whose per-message data are the rows.
+        Which messages exist and the settings come from the store (its index for
+        the message keys, no value loaded; the config values). With a journal,
+        what did not come from rows is journaled: an exported state's messages
+        (and the ones this state had: their rows go), so the next checkpoint
+        writes them."""
+        old = self._touched
+        if old is not None and rows is None:  # the table still holds this state's rows
+            old.update((q.name, idx) for q in self.queues.values() for idx in q.message_idxs())
         self.queues = {}
         self._dirty.clear()
         self._to_dead = []
@@ -491,18 +644,19 @@ class QueueState:
                 q.produced_ms = dict(rest[0].get("produced_ms", ()))
         for spelling in (keys.SHORT, keys.LONG):
             end = spelling[:-1] + b"0"  # every key under the spelling
-            for kv in store.range(spelling, end).kvs:
-                qk = keys.parse(kv.key)
+            for key in store.keys_in(spelling, end):
+                qk = keys.parse(key)
                 if qk is None:
                     continue
                 if qk.kind == "message":
-                    self._queue(qk.name, qk.spelling).pending[qk.idx] = kv.key
+                    self._queue(qk.name, qk.spelling).pending[qk.idx] = key
                 elif qk.kind == "config":
-                    self._queue(qk.name, qk.spelling).settings = QueueSettings.parse(
-                        kv.value, kv.key
-                    )
+                    kv = store.get(key)
+                    assert kv is not None  # keys_in lists the keys that exist
+                    self._queue(qk.name, qk.spelling).settings = QueueSettings.parse(kv.value, key)
         for name, consumers in held.items():
             q = self.queues[name]
+            seq = -sum(len(idxs) for _c, _n, idxs in consumers)  # below every hand-out to come
             for consumer_id, node, idxs in consumers:
                 slot = q.consumers[consumer_id] = ConsumerSlot(consumer_id, node)
                 for idx in idxs:
@@ -510,3 +664,89 @@ class QueueState:
                     if key is not None:
                         slot.held[idx] = key
                         q.holder[idx] = slot
+                        q.hand_out[idx] = seq
+                    seq += 1
+        row_counts = self._restore_rows(rows) if rows is not None else {}
+        if old is None:
+            return
+        touched = old if rows is None else set()
+        for q in self.queues.values():
+            if rows is None or row_counts.get(q.name, 0) != q.depth:
+                # an exported state, or sections that held this queue's data
+                # (a backend written before the queue kept rows)
+                touched.update((q.name, idx) for idx in q.message_idxs())
+        self._touched = touched
+
+    def _restore_rows(self, rows: Iterable[tuple[bytes, bytes]]) -> dict[bytes, int]:
+        """Per-message data from the `mq` table's rows (after the message keys
+        were found); how many rows each queue had. A row whose message or holder
+        the state does not know is refused: the rows and the keys are one
+        checkpoint's."""
+        counts: dict[bytes, int] = {}
+        held: dict[bytes, list[tuple[int, int, bytes]]] = {}  # (hand-out, idx, holder)
+        queues = self.queues
+        for key, raw in rows:
+            name, idx = parse_row_key(key)
+            row = MessageRow.decode(raw)
+            q = queues.get(name)
+            if q is None or idx not in q.pending:
+                raise ValueError(
+                    f"mq row of message {idx} of queue {name!r}, which has no message key"
+                )
+            counts[name] = counts.get(name, 0) + 1
+            if row.produced_ms:
+                q.produced_ms[idx] = row.produced_ms
+            if row.attempts:
+                q.attempts[idx] = row.attempts
+            if row.holder:
+                held.setdefault(name, []).append((row.hand_out, idx, row.holder))
+        for name, holds in held.items():
+            q = queues[name]
+            holds.sort()
+            for hand_out, idx, consumer_id in holds:
+                slot = q.consumers.get(consumer_id)
+                if slot is None:
+                    raise ValueError(
+                        f"mq row of message {idx} of queue {name!r} held by {consumer_id!r}, "
+                        "which is not a consumer"
+                    )
+                slot.held[idx] = q.pending.pop(idx)
+                q.holder[idx] = slot
+                q.hand_out[idx] = hand_out
+        return counts
+
+
+def sections_with_rows(sections: list[Any], rows: Iterable[tuple[bytes, bytes]]) -> list[Any]:
+    """`QueueState.export_sections` (as a backend's sections hold it) and the
+    `mq` table's rows, in key order, as `export_state` gives them: what a
+    snapshot of the whole state needs. Pure data, for a thread holding a read
+    transaction."""
+    attempts: dict[bytes, dict[int, int]] = {}
+    produced: dict[bytes, list[tuple[int, int]]] = {}
+    held: dict[bytes, list[tuple[int, int, bytes]]] = {}
+    for key, raw in rows:
+        name, idx = parse_row_key(key)
+        row = MessageRow.decode(raw)
+        if row.attempts:
+            attempts.setdefault(name, {})[idx] = row.attempts
+        if row.produced_ms:
+            produced.setdefault(name, []).append((idx, row.produced_ms))
+        if row.holder:
+            held.setdefault(name, []).append((row.hand_out, idx, row.holder))
+    out: list[Any] = []
+    for name, spelling, next_idx, queue_attempts, *rest in sections:
+        assignment: dict[str, Any] = dict(rest[0]) if rest else {"next_consumer": 0}
+        assignment.setdefault("consumers", [])
+        by_holder: dict[bytes, list[int]] = {}
+        for _hand_out, idx, holder in sorted(held.get(name, ())):
+            by_holder.setdefault(holder, []).append(idx)
+        assignment["consumers"] = [
+            (c, node, [*idxs, *by_holder.get(c, ())]) for c, node, idxs in assignment["consumers"]
+        ]
+        assignment["produced_ms"] = sorted(
+            [*assignment.get("produced_ms", ()), *produced.get(name, ())]
+        )
+        out.append(
+            (name, spelling, next_idx, {**queue_attempts, **attempts.get(name, {})}, assignment)
+        )
+    return out

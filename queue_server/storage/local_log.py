@@ -57,7 +57,13 @@ from typing import IO
 import lmdb
 
 from etcdserverpb import internal_pb2, kv_pb2
-from queue_server.apply import Applier, ApplyFailed, ApplyResult, Checkpoint
+from queue_server.apply import (
+    Applier,
+    ApplyFailed,
+    ApplyResult,
+    Checkpoint,
+    sections_with_tables,
+)
 from queue_server.errors import NoSpace, RequestTooLarge, ServerStopped, TooManyRequests
 from queue_server.mvcc.store import hash_change, position
 from queue_server.storage import etcd_backend, snapshot
@@ -525,8 +531,9 @@ class LocalLog:
                 image = backend.sections(txn)
                 assert image is not None
                 contents = snapshot.decode(image, "backend sections")
+                state = sections_with_tables(contents.state, lambda t: backend.table_rows(t, txn))
                 return etcd_backend.write_etcd_db(
-                    fileobj, index, contents.state, key_items=backend.raw_revisions(txn)
+                    fileobj, index, state, key_items=backend.raw_revisions(txn)
                 )
             finally:
                 txn.abort()
