@@ -272,6 +272,14 @@ class Server:
             term,
         )
 
+    def _open_backend(self) -> Backend:
+        """The state machine's LMDB environment in the data dir."""
+        cfg = self.config
+        try:
+            return Backend(os.path.join(cfg.data_dir, DB_DIR), fsync=not cfg.unsafe_no_fsync)
+        except lmdb.Error as e:
+            raise StartupError(f"data dir {cfg.data_dir!r}: cannot open the backend: {e}") from e
+
     async def _open_log(self) -> tuple[int, list[int]]:
         """The local log or Raft, recovered; this member's id and the founders'."""
         cfg = self.config
@@ -280,13 +288,7 @@ class Server:
         if cfg.clustered:
             member_id, cluster_members = await self._open_cluster_log()
         else:
-            try:
-                backend = Backend(os.path.join(cfg.data_dir, DB_DIR), fsync=not cfg.unsafe_no_fsync)
-            except lmdb.Error as e:
-                raise StartupError(
-                    f"data dir {cfg.data_dir!r}: cannot open the backend: {e}"
-                ) from e
-            self.state.use_backend(backend)
+            self.state.use_backend(self._open_backend())
             self.log = LocalLog(
                 cfg.data_dir,
                 self.applier,
@@ -649,6 +651,7 @@ class Server:
             for name, urls in cfg.initial_cluster
         }
         me = ids[cfg.name]
+        self.state.use_backend(self._open_backend())
         storage = RaftStorage(cfg.data_dir, fsync=not cfg.unsafe_no_fsync)
         peers = PeerTransport(
             me, client_ssl=self.tls.peer_client, snapshot_dir=storage.snapshot_dir

@@ -440,7 +440,14 @@ class LocalLog:
         index = checkpoint.index
         image = snapshot.encode(index, checkpoint.sections)
         self.backend.commit(
-            CommitBatch(index, checkpoint.writes, checkpoint.dropped, image, checkpoint.tables)
+            CommitBatch(
+                index,
+                checkpoint.writes,
+                checkpoint.dropped,
+                image,
+                checkpoint.tables,
+                checkpoint.replace,
+            )
         )
         return time.monotonic() - started
 
