@@ -49,10 +49,11 @@ import logging
 import os
 import random
 import secrets
+import shutil
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
-from typing import Any
+from typing import IO, Any
 
 import lmdb
 from google.protobuf import empty_pb2
@@ -75,6 +76,7 @@ from queue_server.replication.storage import (
     encode_entry,
     encode_hard_state,
 )
+from queue_server.storage import etcd_backend
 from queue_server.storage import snapshot as snapshot_format
 from queue_server.storage.backend import Backend, CommitBatch
 from queue_server.storage.local_log import MAX_UNAPPLIED, too_large
@@ -492,6 +494,48 @@ class ClusterLog:
             if self._snapshotting is not None:
                 await asyncio.wait([self._snapshotting])
             await asyncio.get_running_loop().run_in_executor(self._writer, lambda: None)
+
+    # -- whole-state operations (api.maintenance.StateFiles) ---------------------------
+
+    async def defragment(self) -> None:
+        """etcd's Defragment: a snapshot (the log trimmed), then the backend file
+        rewritten without its free pages on the backend thread. A copy that a
+        checkpoint overtook (a snapshot or an install committed meanwhile) is
+        dropped, never swapped in."""
+        await self.snapshot_now()
+        backend = self.backend
+        if backend is None:
+            return
+        before = self._committed_index()
+        copy = backend.path + ".defrag"
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._backend_thread, backend.copy_compacted, copy)
+        if self._committed_index() != before or self._snapshotting is not None:
+            shutil.rmtree(copy, ignore_errors=True)
+            log.info("defragment skipped: a checkpoint committed during the copy")
+            return
+        backend.swap_in(copy)
+
+    def _committed_index(self) -> int:
+        assert self.backend is not None
+        txn = self.backend.begin_read()
+        try:
+            return self.backend.consistent_index_in(txn)
+        finally:
+            txn.abort()
+
+    async def hash_kv(self, revision: int) -> int:
+        """The store's checksum at `revision` (on the loop; see docs/design.md)."""
+        return self.state_machine.store.hash_kv(revision)
+
+    async def export_etcd_db(self, fileobj: IO[bytes]) -> int:
+        """The state as an etcd backend database into `fileobj`: exported on the
+        loop, written on a thread."""
+        index = self.state_machine.applied_index
+        state = self.state_machine.export_state()
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: etcd_backend.write_etcd_db(fileobj, index, state)
+        )
 
     # -- peers ------------------------------------------------------------------------
 
