@@ -166,6 +166,7 @@ class LocalLog:
         self._checkpoints_held = 0  # a defragment copies the file meanwhile
         self._failed: BaseException | None = None
         self._wal_job = False  # the writer thread owns the WAL files meanwhile
+        self._recovered = False  # recover() finished: the state is the data dir's
         self._closed = False
         self.commits = 0  # group commits done: batches written and fsynced
         self.checkpoints = 0  # backend checkpoints committed
@@ -244,6 +245,7 @@ class LocalLog:
                 backend.path,
                 legacy + ".converted",
             )
+        self._recovered = True
         rec = self.wal.recovery
         log.info(
             "recovered backend_index=%d replayed=%d last_index=%d keys=%d dropped_bytes=%d "
@@ -563,7 +565,16 @@ class LocalLog:
         while self._checkpoint is not None:
             await asyncio.shield(self._checkpoint)
         sm = self.state_machine
-        if self._failed is None and sm.failed is None and sm.applied_index > self._checkpoint_index:
+        # After a refused recover() the state is half-built (the server stops
+        # what it could not start): a checkpoint of it, and the WAL segment its
+        # trim opens, would make the backend and the WAL meet again, and the
+        # next start would serve it.
+        if (
+            self._recovered
+            and self._failed is None
+            and sm.failed is None
+            and sm.applied_index > self._checkpoint_index
+        ):
             with contextlib.suppress(lmdb.Error, OSError, NoSpace):
                 await self._start_checkpoint()
         self._writer.shutdown(wait=True)
