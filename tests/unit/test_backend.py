@@ -19,8 +19,9 @@ import random
 import shutil
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+import lmdb
 import pytest
 
 from etcdserverpb import rpc_pb2
@@ -527,4 +528,182 @@ async def test_reads_while_a_checkpoint_is_in_flight_see_every_value(tmp_path: P
     await log.close()
     again, log, _ = open_log(tmp_path)
     same_state(again, memory)
+    await log.close()
+
+
+# -- defragmenting while the server serves ----------------------------------------------
+
+
+class WatchedTxn:
+    """A read transaction that tells its backend when it ends."""
+
+    def __init__(self, txn: lmdb.Transaction, backend: WatchedBackend) -> None:
+        self._txn = txn
+        self._backend = backend
+        self._open = True
+
+    def abort(self) -> None:
+        if self._open:
+            self._open = False
+            with self._backend.lock:
+                self._backend.open_reads -= 1
+        self._txn.abort()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._txn, name)
+
+
+class WatchedBackend(Backend):
+    """A real backend that notes what a defragment must never meet: a commit
+    between the start of its copy and the end of the swap (it would be lost
+    with the old file, or run on a closed one), and read transactions still
+    open when the file is swapped (closing the environment ends them under
+    the thread reading). Its copy can be held at the door."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.lock = threading.Lock()
+        self.open_reads = 0
+        self.defragmenting = False
+        self.hold_copy = False
+        self.copy_started = threading.Event()
+        self.copy_go = threading.Event()
+        self.copied = threading.Event()
+        self.met: list[str] = []
+
+    def begin_read(self) -> lmdb.Transaction:
+        with self.lock:
+            self.open_reads += 1
+        return cast(lmdb.Transaction, WatchedTxn(super().begin_read(), self))
+
+    def commit(self, batch: CommitBatch) -> None:
+        if self.defragmenting:
+            self.met.append(f"a commit at index {batch.index} while defragmenting")
+        super().commit(batch)
+
+    def copy_compacted(self, into: str) -> None:
+        self.defragmenting = True
+        self.copy_started.set()
+        if self.hold_copy:
+            assert self.copy_go.wait(WAIT)
+        super().copy_compacted(into)
+        self.copied.set()
+
+    def swap_in(self, copied: str) -> None:
+        if self.open_reads:
+            self.met.append(f"{self.open_reads} read transaction(s) open at the swap")
+        super().swap_in(copied)
+        self.defragmenting = False
+
+
+class Mirror:
+    """A LocalLog on a WatchedBackend and the same commands in memory."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.sm = StateMachine()
+        self.backend = WatchedBackend(os.path.join(data_dir, DB_DIR))
+        self.sm.use_backend(self.backend)
+        self.log = LocalLog(str(data_dir), Applier(self.sm))
+        self.log.recover()
+        self.commands: list[Command] = []
+        self.memory = StateMachine()
+
+    async def propose(self, commands: list[Command]) -> None:
+        await propose_all(self.log, commands)
+        for command in commands:
+            self.commands.append(command)
+            self.memory.apply(len(self.commands), command)
+
+    def check_export(self, data: bytes) -> None:
+        contents = etcd_backend.read_etcd_db(data, "export")
+        assert contents.state == replayed(self.commands[: contents.index]).export_state()
+
+
+async def in_thread(event: threading.Event) -> None:
+    assert await asyncio.get_running_loop().run_in_executor(None, event.wait, WAIT)
+
+
+async def test_a_defragment_holds_the_checkpoints_asked_for_meanwhile(tmp_path: Path) -> None:
+    """While the copy is taken, writes go on, and a checkpoint, a HashKV and a
+    Snapshot (each one a checkpoint first) and a second Defragment are asked
+    for: their commits wait for the swap, and every answer is right."""
+    m = Mirror(tmp_path)
+    await m.propose([put(b"k%03d" % (i % 200), b"%d" % i * 100) for i in range(600)])
+    await m.log.checkpoint_now()
+    m.backend.hold_copy = True
+    defragment = asyncio.ensure_future(m.log.defragment())
+    await in_thread(m.backend.copy_started)
+    await m.propose([put(b"during%d" % i) for i in range(50)])  # writes go on
+    revision = m.sm.store.revision
+    out = io.BytesIO()
+    asked = [
+        asyncio.ensure_future(m.log.checkpoint_now()),
+        asyncio.ensure_future(m.log.hash_kv(revision)),
+        asyncio.ensure_future(m.log.export_etcd_db(out)),
+        asyncio.ensure_future(m.log.defragment()),
+    ]
+    await m.propose([put(b"more%d" % i) for i in range(50)])
+    m.backend.hold_copy = False
+    m.backend.copy_go.set()
+    await asyncio.wait_for(defragment, WAIT)
+    _, hashed, _, _ = await asyncio.wait_for(asyncio.gather(*asked), WAIT)
+    assert m.backend.met == []
+    assert hashed == m.memory.store.hash_kv(revision)
+    m.check_export(out.getvalue())
+    assert all_revisions(m.sm) == all_revisions(m.memory)
+    await m.log.close()
+    again, log, _ = open_log(tmp_path)
+    same_state(again, m.memory)
+    await log.close()
+
+
+class HeldFile(io.BytesIO):
+    """A file whose first write waits (bounded) for `go`: a Snapshot stream
+    whose client reads slowly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writing = threading.Event()
+        self.go = threading.Event()
+
+    def write(self, data: Any) -> int:
+        if not self.writing.is_set():
+            self.writing.set()
+            assert self.go.wait(WAIT)
+        return super().write(data)
+
+
+async def test_a_defragment_waits_for_the_reads_in_flight(tmp_path: Path) -> None:
+    """A Snapshot stream (and a HashKV) reading on a thread when a Defragment
+    comes: the file is swapped only once they have read what they need."""
+    m = Mirror(tmp_path)
+    await m.propose([put(b"k%04d" % i, b"%d" % i * 20) for i in range(5000)])
+    out = HeldFile()
+    export = asyncio.ensure_future(m.log.export_etcd_db(out))
+    await in_thread(out.writing)  # its read transaction is open on its thread
+    defragment = asyncio.ensure_future(m.log.defragment())
+    await in_thread(m.backend.copy_started)
+    # the copy is taken from a read transaction of its own: the stream goes on
+    await in_thread(m.backend.copied)
+    out.go.set()
+    await asyncio.wait_for(export, WAIT)
+    await asyncio.wait_for(defragment, WAIT)
+    assert m.backend.met == []
+    m.check_export(out.getvalue())
+    assert await m.log.hash_kv(0) == m.memory.store.hash_kv()
+    await m.log.close()
+
+
+async def test_a_defragment_cut_short_leaves_nothing_in_the_way(tmp_path: Path) -> None:
+    """A crash between a defragment's copy and its swap (or a copy the disk
+    cut short) leaves the copy behind: the next defragment still runs."""
+    sm, log, _ = open_log(tmp_path)
+    await propose_all(log, [put(b"k%03d" % i) for i in range(100)])
+    leftover = tmp_path / (DB_DIR + ".defrag")
+    leftover.mkdir()
+    (leftover / "data.mdb").write_bytes(b"the first pages of a copy")
+    state = sm.export_state()
+    await asyncio.wait_for(log.defragment(), WAIT)
+    assert not leftover.exists()
+    assert sm.export_state() == state
     await log.close()
