@@ -254,6 +254,37 @@ def test_a_legacy_data_dir_is_converted_once(
     assert not (tmp_path / "snap").exists()
 
 
+@pytest.mark.parametrize("moment", ["before its commit", "after its commit"])
+def test_a_conversion_cut_short_by_a_crash_is_not_lost(tmp_path: Path, moment: str) -> None:
+    """A crash in the conversion's checkpoint leaves the data dir as it was
+    (the next start converts it); a crash right after it, before `snap/` is
+    renamed, leaves the backend holding it all (the next start reads it)."""
+    load = MixedLoad(seed=5)
+    commands = load.take(200)
+    legacy_data_dir(tmp_path, commands, snapshots=[120])
+    sm = StateMachine()
+    backend = DoorBackend(os.path.join(tmp_path, DB_DIR))
+    backend.hold = True
+    backend.go.set()  # the commit runs on recover()'s own thread: no waiting at the door
+    backend.die_before = moment == "before its commit"
+    backend.die_after = not backend.die_before
+    sm.use_backend(backend)
+    log = LocalLog(str(tmp_path), Applier(sm))
+    with pytest.raises(Died):
+        log.recover()
+    die(log)
+    assert (tmp_path / "snap").is_dir()
+    again, log, applier = open_log(tmp_path)
+    if moment == "before its commit":
+        assert applier.indexes == list(range(121, len(commands) + 1))
+        assert not (tmp_path / "snap").exists() and (tmp_path / "snap.converted").is_dir()
+    else:
+        assert applier.indexes == []
+    assert log.backend.consistent_index == len(commands)
+    same_state(again, load.model)
+    die(log)
+
+
 # -- crashes ----------------------------------------------------------------------------
 
 
@@ -272,6 +303,7 @@ class DoorBackend(Backend):
         self.held = threading.Event()
         self.go = threading.Event()
         self.die_before = False
+        self.die_after = False
 
     def commit(self, batch: CommitBatch) -> None:
         if self.hold:
@@ -280,6 +312,8 @@ class DoorBackend(Backend):
             if self.die_before:
                 raise Died()
         super().commit(batch)
+        if self.die_after:
+            raise Died()
 
 
 def live_and_die(
