@@ -49,6 +49,35 @@ from tests.support.mixed_load import MixedLoad, describe_result
 
 pytestmark = pytest.mark.unit
 
+
+class Died(BaseException):
+    """The process died while this thread was in a call: nothing after it ran."""
+
+
+class DoorBackend(Backend):
+    """A real backend whose next commit can be held at the door: the test lets
+    the process die there, before the commit (nothing written) or right after
+    it (written, but the loop never hears of it)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.hold = False
+        self.held = threading.Event()
+        self.go = threading.Event()
+        self.die_before = False
+        self.die_after = False
+
+    def commit(self, batch: CommitBatch) -> None:
+        if self.hold:
+            self.held.set()
+            assert self.go.wait(WAIT)
+            if self.die_before:
+                raise Died()
+        super().commit(batch)
+        if self.die_after:
+            raise Died()
+
+
 # -- refused starts -------------------------------------------------------------------
 
 
@@ -286,34 +315,6 @@ def test_a_conversion_cut_short_by_a_crash_is_not_lost(tmp_path: Path, moment: s
 
 
 # -- crashes ----------------------------------------------------------------------------
-
-
-class Died(BaseException):
-    """The process died while this thread was in a call: nothing after it ran."""
-
-
-class DoorBackend(Backend):
-    """A real backend whose next commit can be held at the door: the test lets
-    the process die there, before the commit (nothing written) or right after
-    it (written, but the loop never hears of it)."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__(path)
-        self.hold = False
-        self.held = threading.Event()
-        self.go = threading.Event()
-        self.die_before = False
-        self.die_after = False
-
-    def commit(self, batch: CommitBatch) -> None:
-        if self.hold:
-            self.held.set()
-            assert self.go.wait(WAIT)
-            if self.die_before:
-                raise Died()
-        super().commit(batch)
-        if self.die_after:
-            raise Died()
 
 
 def live_and_die(
