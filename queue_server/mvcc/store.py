@@ -460,6 +460,7 @@ class MVCCStore:
         self._index = SortedDict(index)
         self._key_count = sum(1 for codes in index.values() if not codes[-1] & 1)
         self._scanned_leases = leased
+        self.replaces_committed = False  # these are the backend's own revisions
 
     def leased_keys(self) -> Iterator[tuple[bytes, int]]:
         """(key, lease) of every current key attached to a lease (the lease

@@ -288,7 +288,8 @@ class Backend:
         """A compacted copy of the file (free pages dropped) into directory
         `into`, from a read transaction: commits may go on meanwhile, and the copy
         is of the state when it began (any thread)."""
-        os.makedirs(into, exist_ok=True)
+        shutil.rmtree(into, ignore_errors=True)  # a copy a crash or a full disk cut short
+        os.makedirs(into)
         self.env.copy(into, compact=True)
 
     def swap_in(self, copied: str) -> None:
