@@ -200,7 +200,7 @@ class ClusterLog:
         sm = self.state_machine
         backend = self.backend
         held = backend.consistent_index if backend is not None else 0
-        loaded = self.storage.load(state_held_at=held)
+        loaded = self.storage.load(state_held_at=held) if held else self.storage.load()
         snap: Snapshot | None = None
         if backend is not None and held and held >= loaded.snapshot_index:
             # The backend holds the state at or after the newest snapshot.
