@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Record(_message.Message):
-    __slots__ = ("header", "mvcc", "keys", "leases", "alarms", "queue", "cqs_queue", "cqs_chunk", "members", "auth", "queue_chunk")
+    __slots__ = ("header", "mvcc", "keys", "leases", "alarms", "queue", "cqs_queue", "cqs_chunk", "members", "auth", "queue_chunk", "revisions")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     MVCC_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class Record(_message.Message):
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     AUTH_FIELD_NUMBER: _ClassVar[int]
     QUEUE_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    REVISIONS_FIELD_NUMBER: _ClassVar[int]
     header: Header
     mvcc: Mvcc
     keys: KeyChunk
@@ -30,7 +31,8 @@ class Record(_message.Message):
     members: MemberChunk
     auth: Auth
     queue_chunk: QueueChunk
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., mvcc: _Optional[_Union[Mvcc, _Mapping]] = ..., keys: _Optional[_Union[KeyChunk, _Mapping]] = ..., leases: _Optional[_Union[LeaseChunk, _Mapping]] = ..., alarms: _Optional[_Union[AlarmChunk, _Mapping]] = ..., queue: _Optional[_Union[Queue, _Mapping]] = ..., cqs_queue: _Optional[_Union[CqsQueue, _Mapping]] = ..., cqs_chunk: _Optional[_Union[CqsChunk, _Mapping]] = ..., members: _Optional[_Union[MemberChunk, _Mapping]] = ..., auth: _Optional[_Union[Auth, _Mapping]] = ..., queue_chunk: _Optional[_Union[QueueChunk, _Mapping]] = ...) -> None: ...
+    revisions: RevisionChunk
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., mvcc: _Optional[_Union[Mvcc, _Mapping]] = ..., keys: _Optional[_Union[KeyChunk, _Mapping]] = ..., leases: _Optional[_Union[LeaseChunk, _Mapping]] = ..., alarms: _Optional[_Union[AlarmChunk, _Mapping]] = ..., queue: _Optional[_Union[Queue, _Mapping]] = ..., cqs_queue: _Optional[_Union[CqsQueue, _Mapping]] = ..., cqs_chunk: _Optional[_Union[CqsChunk, _Mapping]] = ..., members: _Optional[_Union[MemberChunk, _Mapping]] = ..., auth: _Optional[_Union[Auth, _Mapping]] = ..., queue_chunk: _Optional[_Union[QueueChunk, _Mapping]] = ..., revisions: _Optional[_Union[RevisionChunk, _Mapping]] = ...) -> None: ...
 
 class Header(_message.Message):
     __slots__ = ("format_version", "applied_index", "raft_term", "voters", "key_count", "lease_count", "alarm_count", "queue_count", "cqs_queue_count", "member_count")
@@ -97,6 +99,14 @@ class KeyChunk(_message.Message):
     KEYS_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedCompositeFieldContainer[KeyHistory]
     def __init__(self, keys: _Optional[_Iterable[_Union[KeyHistory, _Mapping]]] = ...) -> None: ...
+
+class RevisionChunk(_message.Message):
+    __slots__ = ("revision_keys", "values")
+    REVISION_KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    revision_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    values: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, revision_keys: _Optional[_Iterable[bytes]] = ..., values: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("lease_id", "ttl")

@@ -131,6 +131,9 @@ class Checkpoint:
     dropped: list[int]
     sections: dict[str, Any]
     tables: dict[str, Rows]
+    replace: bool = False
+    """The state was restored from a snapshot: the backend's revisions and rows
+    are replaced by these."""
 
 
 class ApplyFailed(RuntimeError):
@@ -362,9 +365,11 @@ class StateMachine:
     def checkpoint(self) -> Checkpoint:
         """What a checkpoint writes, at the applied index. The revisions stay
         readable until `checkpoint_done` or `checkpoint_failed`."""
+        replace = self.store.replaces_committed
         writes, dropped = self.store.take_batch()
         tables = {owner.table: owner.take_rows() for owner in self._table_owners()}
-        return Checkpoint(self.applied_index, writes, dropped, self.export_sections(), tables)
+        sections = self.export_sections()
+        return Checkpoint(self.applied_index, writes, dropped, sections, tables, replace)
 
     def checkpoint_done(self) -> None:
         """The backend holds the checkpoint and its reader sees it."""
@@ -373,6 +378,7 @@ class StateMachine:
     def checkpoint_failed(self, checkpoint: Checkpoint) -> None:
         """The checkpoint was not written; its revisions and rows are pending again."""
         self.store.batch_failed(checkpoint.dropped)
+        self.store.replaces_committed = self.store.replaces_committed or checkpoint.replace
         for owner in self._table_owners():
             owner.return_rows(checkpoint.tables.get(owner.table, {}))
 

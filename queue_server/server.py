@@ -45,7 +45,7 @@ from queue_server.api.header import HeaderFiller
 from queue_server.api.kv import KVService
 from queue_server.api.lease import LeaseService
 from queue_server.api.lock import LockService
-from queue_server.api.maintenance import ClusterService, MaintenanceService, MemoryStateFiles
+from queue_server.api.maintenance import ClusterService, MaintenanceService
 from queue_server.api.observer import RpcObserver
 from queue_server.api.service_table import service_methods
 from queue_server.api.watch import WatchService
@@ -144,6 +144,8 @@ class Server:
         self.config = config
         self.state = StateMachine()
         self.log: LocalLog | ClusterLog | None = None
+        self.cluster: ClusterLog | None = None
+        """The log when this member is one of a Raft cluster (the same object)."""
         self.header: HeaderFiller | None = None
         self.peers: PeerTransport | None = None
         self.session: NodeSession | None = None
@@ -233,8 +235,8 @@ class Server:
         term = self._take_data_dir()
         member_id, cluster_members = await self._open_log()
         assert self.log is not None
-        if isinstance(self.log, ClusterLog):
-            term = self.log.term  # the Raft term, not the restart count
+        if self.cluster is not None:
+            term = self.cluster.term  # the Raft term, not the restart count
         header = HeaderFiller(
             cluster_id=cluster_id_for(cluster_members),
             member_id=member_id,
@@ -255,9 +257,9 @@ class Server:
             )
         )
         await self._serve_clients(table)
-        if isinstance(self.log, ClusterLog):
-            self.log.on_restored = self._restored_from_leader
-            await self.log.start()
+        if self.cluster is not None:
+            self.cluster.on_restored = self._restored_from_leader
+            await self.cluster.start()
         # What recovery loaded lives as long as the process: keep the collector
         # from scanning it again and again.
         gc.freeze()
@@ -272,6 +274,14 @@ class Server:
             term,
         )
 
+    def _open_backend(self) -> Backend:
+        """The state machine's LMDB environment in the data dir."""
+        cfg = self.config
+        try:
+            return Backend(os.path.join(cfg.data_dir, DB_DIR), fsync=not cfg.unsafe_no_fsync)
+        except lmdb.Error as e:
+            raise StartupError(f"data dir {cfg.data_dir!r}: cannot open the backend: {e}") from e
+
     async def _open_log(self) -> tuple[int, list[int]]:
         """The local log or Raft, recovered; this member's id and the founders'."""
         cfg = self.config
@@ -280,14 +290,8 @@ class Server:
         if cfg.clustered:
             member_id, cluster_members = await self._open_cluster_log()
         else:
-            try:
-                backend = Backend(os.path.join(cfg.data_dir, DB_DIR), fsync=not cfg.unsafe_no_fsync)
-            except lmdb.Error as e:
-                raise StartupError(
-                    f"data dir {cfg.data_dir!r}: cannot open the backend: {e}"
-                ) from e
-            self.state.use_backend(backend)
-            self.log = LocalLog(
+            self.state.use_backend(self._open_backend())
+            self.log = local = LocalLog(
                 cfg.data_dir,
                 self.applier,
                 fsync=not cfg.unsafe_no_fsync,
@@ -309,8 +313,7 @@ class Server:
         ) as e:
             # Never serve a state that may be missing acknowledged writes.
             raise StartupError(f"data dir {cfg.data_dir!r} is damaged: {e}") from e
-        if isinstance(self.log, LocalLog):
-            self.log.on_no_space = lambda: self._disk_full(member_id)
+            local.on_no_space = lambda: self._disk_full(member_id)
         # Every lease gets a full TTL from now, as after an etcd leader election.
         self._rearm_leases()
         return member_id, cluster_members
@@ -333,7 +336,7 @@ class Server:
             me,
             cfg.initial_cluster_token,
             founders,
-            self.log if isinstance(self.log, ClusterLog) else None,
+            self.cluster,
             self.peers,
             self._removed,
         )
@@ -346,7 +349,7 @@ class Server:
         store_of = self._store_of
         propose = self.log.propose
         node_name = cfg.name.encode()
-        if isinstance(self.log, ClusterLog):
+        if self.cluster is not None:
             self.session = NodeSession(
                 propose, lessor, self.expiry, lambda: ids.next(lessor.leases)
             )
@@ -422,9 +425,7 @@ class Server:
                     self.log,
                     header,
                     lambda: _dir_size(cfg.data_dir),
-                    self.log
-                    if isinstance(self.log, LocalLog)
-                    else MemoryStateFiles(self.state, self.log.snapshot_now),
+                    self.log,
                     membership.leader_id,
                 ),
             ),
@@ -490,7 +491,7 @@ class Server:
         timers.add("lease-expiry", ExpiryPolicy(self.expiry, self._revoke_expired, self._spawn))
         timers.add("cqs-visibility", self.cqs_view)
         assert self.log is not None
-        cluster_log = self.log if isinstance(self.log, ClusterLog) else None
+        cluster_log = self.cluster
         timers.add(
             "cqs-expiry",
             VisibilityTimer(
@@ -649,6 +650,7 @@ class Server:
             for name, urls in cfg.initial_cluster
         }
         me = ids[cfg.name]
+        self.state.use_backend(self._open_backend())
         storage = RaftStorage(cfg.data_dir, fsync=not cfg.unsafe_no_fsync)
         peers = PeerTransport(
             me, client_ssl=self.tls.peer_client, snapshot_dir=storage.snapshot_dir
@@ -670,7 +672,7 @@ class Server:
             max_request_bytes=cfg.max_request_bytes,
             join=cfg.initial_cluster_state == "existing",
         )
-        self.log = cluster_log
+        self.log = self.cluster = cluster_log
         self.peers = peers
         for url in cfg.listen_peer_urls:
             for warning in ignored_on_http(cfg.peer_tls, url, "peer"):
@@ -687,12 +689,12 @@ class Server:
     def _leader_changed(self, leader: int) -> None:
         """A new leader or a new term: headers carry the term; a new leader re-arms
         lease deadlines; members publish themselves once a leader exists."""
-        assert isinstance(self.log, ClusterLog)
+        assert self.cluster is not None
         if self.header is not None:
-            self.header.raft_term = self.log.term
+            self.header.raft_term = self.cluster.term
         if leader:
             self._leader_changes += 1
-        if leader == self.log.member_id:
+        if leader == self.cluster.member_id:
             self._rearm_leases()
             self.consumers.claim_registries()
         if leader:
@@ -720,14 +722,14 @@ class Server:
     def _dispatching_node(self) -> bytes:
         """The member whose name `/q/{name}` shows: the leader, which orders the
         assignments of messages to consumers (this member while none is known)."""
-        assert isinstance(self.log, ClusterLog)
-        member = self.state.members.get(self.log.leader_id)
+        assert self.cluster is not None
+        member = self.state.members.get(self.cluster.leader_id)
         return (member[0] if member is not None else self.config.name).encode()
 
     def _forward_keep_alive(self, lease_id: int) -> None:
         """A keepalive on a follower also refreshes the leader's clock."""
-        if isinstance(self.log, ClusterLog):
-            self.log.forward_keep_alive(lease_id)
+        if self.cluster is not None:
+            self.cluster.forward_keep_alive(lease_id)
 
     def _grpc_options(self) -> list[tuple[str, Any]]:
         """Options of grpcio's client server (--grpc-transport grpcio)."""
@@ -759,7 +761,7 @@ class Server:
     async def _compact(self, revision: int) -> None:
         """Auto-compaction's proposal (the leader compacts for everyone)."""
         assert self.log is not None
-        if isinstance(self.log, ClusterLog) and not self.log.is_leader:
+        if self.cluster is not None and not self.cluster.is_leader:
             return
         command = internal_pb2.Command()
         command.compaction.revision = revision
@@ -779,7 +781,7 @@ class Server:
 
     async def _revoke_expired(self, lease_id: int) -> None:
         assert self.log is not None
-        if isinstance(self.log, ClusterLog) and not self.log.is_leader:
+        if self.cluster is not None and not self.cluster.is_leader:
             return  # the leader's clock decides; this one is re-armed if it leads
         command = internal_pb2.Command()
         command.lease_revoke.ID = lease_id

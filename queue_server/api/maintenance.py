@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import IO, Protocol, TypeVar
 
 from etcdserverpb import internal_pb2, rpc_pb2, rpc_pb2_grpc
@@ -26,7 +26,6 @@ from queue_server.apply import Proposer, StateMachine
 from queue_server.config import SERVER_VERSION
 from queue_server.errors import EtcdError
 from queue_server.replication.membership import Membership
-from queue_server.storage import etcd_backend
 from queue_server.storage.snapshot import SHA256_BYTES
 from queue_server.transport.methods import Call
 
@@ -34,8 +33,8 @@ Context = Call
 
 
 class StateFiles(Protocol):
-    """Who makes the whole-state operations of this member: the local log (on
-    its backend) or `MemoryStateFiles` (a cluster member's state in memory)."""
+    """Who makes the whole-state operations of this member: its log (the local
+    log or the cluster log, each over the state machine's backend)."""
 
     async def defragment(self) -> None: ...
 
@@ -46,28 +45,6 @@ class StateFiles(Protocol):
     async def export_etcd_db(self, fileobj: IO[bytes]) -> int:
         """The state as an etcd backend database into `fileobj`; its size."""
         ...
-
-
-class MemoryStateFiles:
-    """`StateFiles` of a state machine held in memory: the export is taken on
-    the loop, the file written on a thread."""
-
-    def __init__(self, state: StateMachine, compact_log: Callable[[], Awaitable[None]]) -> None:
-        self.state = state
-        self.compact_log = compact_log
-
-    async def defragment(self) -> None:
-        await self.compact_log()
-
-    async def hash_kv(self, revision: int) -> int:
-        return self.state.store.hash_kv(revision)
-
-    async def export_etcd_db(self, fileobj: IO[bytes]) -> int:
-        index = self.state.applied_index
-        state = self.state.export_state()
-        return await asyncio.get_running_loop().run_in_executor(
-            None, lambda: etcd_backend.write_etcd_db(fileobj, index, state)
-        )
 
 
 _MembersResponse = TypeVar(

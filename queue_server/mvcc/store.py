@@ -178,6 +178,9 @@ class MVCCStore:
         # fixed cost per change (all of it when nothing is committed).
         self._pending_bytes = 0
         self._scanned_leases: dict[bytes, int] | None = None
+        # Built from an exported state: the backend's revisions are not this
+        # store's, and the next checkpoint replaces them all.
+        self.replaces_committed = False
 
     # -- reads ----------------------------------------------------------------
 
@@ -192,6 +195,11 @@ class MVCCStore:
         backend's pages in use plus an estimate of what is not yet checkpointed."""
         committed = self.committed.in_use_bytes if self.committed is not None else 0
         return committed + self._pending_bytes
+
+    @property
+    def history_key_count(self) -> int:
+        """Keys with any history kept (a snapshot's key count)."""
+        return len(self._index)
 
     @property
     def pending_bytes(self) -> int:
@@ -416,6 +424,7 @@ class MVCCStore:
         assert not self._committing, "a checkpoint is already being written"
         batch, dropped = self._pending, self._dropped
         self._committing, self._pending, self._dropped = batch, {}, []
+        self.replaces_committed = False
         self._pending_bytes = 0
         return batch, dropped
 
@@ -458,6 +467,7 @@ class MVCCStore:
         self._index = SortedDict(index)
         self._key_count = sum(1 for codes in index.values() if not codes[-1] & 1)
         self._scanned_leases = leased
+        self.replaces_committed = False  # these are the backend's own revisions
 
     def leased_keys(self) -> Iterator[tuple[bytes, int]]:
         """(key, lease) of every current key attached to a lease (the lease
@@ -525,6 +535,7 @@ class MVCCStore:
             items.append((key, codes))
         store._pending_bytes = size
         store._index = SortedDict(items)
+        store.replaces_committed = True
         # Revision order, as a checkpoint writes and the backend reads back.
         store._pending = dict(sorted(pending.items()))
         return store

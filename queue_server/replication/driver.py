@@ -49,14 +49,17 @@ import logging
 import os
 import random
 import secrets
+import shutil
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import IO, Any
 
+import lmdb
 from google.protobuf import empty_pb2
 
 from etcdserverpb import internal_pb2, peer_pb2
-from queue_server.apply import Applier, ApplyFailed, ApplyResult
+from queue_server.apply import Applier, ApplyFailed, ApplyResult, Checkpoint
 from queue_server.errors import (
     EtcdError,
     LeaderChanged,
@@ -73,8 +76,11 @@ from queue_server.replication.storage import (
     encode_entry,
     encode_hard_state,
 )
+from queue_server.storage import etcd_backend
 from queue_server.storage import snapshot as snapshot_format
+from queue_server.storage.backend import Backend, CommitBatch
 from queue_server.storage.local_log import MAX_UNAPPLIED, too_large
+from queue_server.storage.snapshot_codec import RawRevisions
 from raft.core import NotLeader, ProposalDropped, RaftCore, Ready, Role
 from raft.messages import (
     ConfChange,
@@ -166,6 +172,15 @@ class ClusterLog:
         self._again = False
         self._closed = False
         self._snapshot_index = 0
+        self.backend: Backend | None = (
+            applier.state.backend if isinstance(applier.state.backend, Backend) else None
+        )
+        """Where the state machine keeps its state, or None: in memory (the member
+        simulation). With a backend, a snapshot is a checkpoint, and the file a
+        follower is sent is written from its read transaction on the backend
+        thread, while the loop goes on."""
+        self._backend_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="backend")
+        self._snapshotting: asyncio.Task[None] | None = None
         self._ticker: asyncio.Task[None] | None = None
         self._cycle: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -182,11 +197,23 @@ class ClusterLog:
 
     def recover(self) -> None:
         """Load what this member persisted and rebuild the core and the state."""
-        loaded = self.storage.load()
         sm = self.state_machine
+        backend = self.backend
+        held = backend.consistent_index if backend is not None else 0
+        loaded = self.storage.load(state_held_at=held) if held else self.storage.load()
         snap: Snapshot | None = None
-        if loaded.state is not None:
+        if backend is not None and held and held >= loaded.snapshot_index:
+            # The backend holds the state at or after the newest snapshot.
+            image = backend.sections()
+            if image is None:
+                raise snapshot_format.CorruptSnapshotError(f"{backend.path}: no sections")
+            contents = snapshot_format.decode(image, os.path.join(backend.path, "sections"))
+            sm.restore_state(contents.state, backend.scan_keys(), backend.table_rows)
+        elif loaded.state is not None:
             sm.restore_state(loaded.state)
+            if backend is not None:  # the backend did not hold it yet: now it does
+                self._commit_checkpoint(sm.checkpoint())
+        if loaded.snapshot_index:
             self._snapshot_index = loaded.snapshot_index
             meta = SnapshotMeta(loaded.snapshot_index, loaded.snapshot_term, loaded.voters)
             snap = Snapshot(meta, SNAPSHOT_IN_FILE)
@@ -233,8 +260,13 @@ class ClusterLog:
         for _, fut in self._waiters.values():
             if not fut.done():
                 fut.set_exception(ServerStopped())
+        if self._snapshotting is not None:
+            await asyncio.wait([self._snapshotting])
         self._writer.shutdown(wait=True)
+        self._backend_thread.shutdown(wait=True)
         self.storage.close()
+        if self.backend is not None:
+            self.backend.close()
 
     # -- what the rest of the server asks -------------------------------------------
 
@@ -454,10 +486,56 @@ class ClusterLog:
 
     async def snapshot_now(self) -> None:
         """Take a snapshot at the applied index (Defragment, tests)."""
+        if self._snapshotting is not None:
+            await asyncio.wait([self._snapshotting])
         applied = self.state_machine.applied_index
         if applied > self._snapshot_index and self.core is not None:
             self._snapshot(applied)
+            if self._snapshotting is not None:
+                await asyncio.wait([self._snapshotting])
             await asyncio.get_running_loop().run_in_executor(self._writer, lambda: None)
+
+    # -- whole-state operations (api.maintenance.StateFiles) ---------------------------
+
+    async def defragment(self) -> None:
+        """etcd's Defragment: a snapshot (the log trimmed), then the backend file
+        rewritten without its free pages on the backend thread. A copy that a
+        checkpoint overtook (a snapshot or an install committed meanwhile) is
+        dropped, never swapped in."""
+        await self.snapshot_now()
+        backend = self.backend
+        if backend is None:
+            return
+        before = self._committed_index()
+        copy = backend.path + ".defrag"
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._backend_thread, backend.copy_compacted, copy)
+        if self._committed_index() != before or self._snapshotting is not None:
+            shutil.rmtree(copy, ignore_errors=True)
+            log.info("defragment skipped: a checkpoint committed during the copy")
+            return
+        backend.swap_in(copy)
+
+    def _committed_index(self) -> int:
+        assert self.backend is not None
+        txn = self.backend.begin_read()
+        try:
+            return self.backend.consistent_index_in(txn)
+        finally:
+            txn.abort()
+
+    async def hash_kv(self, revision: int) -> int:
+        """The store's checksum at `revision` (on the loop; see docs/design.md)."""
+        return self.state_machine.store.hash_kv(revision)
+
+    async def export_etcd_db(self, fileobj: IO[bytes]) -> int:
+        """The state as an etcd backend database into `fileobj`: exported on the
+        loop, written on a thread."""
+        index = self.state_machine.applied_index
+        state = self.state_machine.export_state()
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: etcd_backend.write_etcd_db(fileobj, index, state)
+        )
 
     # -- peers ------------------------------------------------------------------------
 
@@ -746,6 +824,22 @@ class ClusterLog:
         then restarts the WAL after it."""
         core = self.core
         assert core is not None
+        if self.backend is not None:
+            if self._snapshotting is None:
+                # The contents are taken now, at `index`; the task writes them.
+                sm = self.state_machine
+                assert sm.applied_index == index
+                self._snapshotting = asyncio.get_running_loop().create_task(
+                    self._snapshot_from_backend(
+                        index,
+                        sm.checkpoint(),
+                        sm.export_sections(full=True),
+                        sm.store.history_key_count,
+                        core.log.term(index) or 0,
+                        tuple(core.conf_at(index)),
+                    )
+                )
+            return
         state = self.state_machine.export_state()
         hs = core.hard_state
         term = core.log.term(index) or 0
@@ -766,6 +860,85 @@ class ClusterLog:
         self._writer.submit(job)
         self._snapshot_index = index
 
+    async def _snapshot_from_backend(
+        self,
+        index: int,
+        checkpoint: Checkpoint,
+        sections: dict[str, Any],
+        key_count: int,
+        term: int,
+        voters: tuple[int, ...],
+    ) -> None:
+        """A snapshot at applied `index` with the state on the backend: the
+        checkpoint's contents are taken on the loop (the key revisions made since
+        the last one, the sections), then the backend thread commits them and
+        streams the snapshot file from a read transaction of that commit (the
+        key revisions straight from the `key` db), while the loop serves. Only
+        then does the core compact its log and the WAL restart after it."""
+        core, sm, backend = self.core, self.state_machine, self.backend
+        assert core is not None and backend is not None
+        try:
+            revision, compact_revision, _ = sections["mvcc"]
+
+            def write() -> int | OSError:
+                """The size of the file, or why it could not be written (the
+                checkpoint committed all the same)."""
+                self._commit_checkpoint(checkpoint, renew=False)
+                txn = backend.begin_read()
+                try:
+                    keys = RawRevisions(key_count, backend.raw_revisions(txn))
+                    state = dict(sections, mvcc=(revision, compact_revision, keys))
+                    return self.storage.save_snapshot(index, state, term, voters)
+                except OSError as e:
+                    return e
+                finally:
+                    txn.abort()
+
+            loop = asyncio.get_running_loop()
+            try:
+                size = await loop.run_in_executor(self._backend_thread, write)
+            except (lmdb.Error, OSError) as e:
+                sm.checkpoint_failed(checkpoint)
+                log.error("raft snapshot failed, will retry index=%d error=%r", index, e)
+                return
+            backend.renew_reader()
+            sm.checkpoint_done()
+            if isinstance(size, OSError):
+                log.error("raft snapshot file failed, will retry index=%d error=%r", index, size)
+                return
+            if self.core is not core or self._closed or self._snapshot_index >= index:
+                return  # a snapshot from the leader replaced the state meanwhile
+            hs = core.hard_state
+            core.compact(index, SNAPSHOT_IN_FILE)
+            later = [
+                StoredEntry(e.index, e.term, int(e.kind), e.data)
+                for e in core.log.slice(index + 1, core.log.last_index)
+            ]
+            self._writer.submit(self.storage.restart_job((hs.term, hs.vote, hs.commit), later))
+            self._snapshot_index = index
+            log.info("raft snapshot index=%d bytes=%d", index, size)
+        finally:
+            self._snapshotting = None
+
+    def _commit_checkpoint(self, checkpoint: Checkpoint, renew: bool = True) -> None:
+        """Write `checkpoint` to the backend on this thread."""
+        backend = self.backend
+        assert backend is not None
+        image = snapshot_format.encode(checkpoint.index, checkpoint.sections)
+        backend.commit(
+            CommitBatch(
+                checkpoint.index,
+                checkpoint.writes,
+                checkpoint.dropped,
+                image,
+                checkpoint.tables,
+                checkpoint.replace,
+            )
+        )
+        if renew:
+            backend.renew_reader()
+            self.state_machine.checkpoint_done()
+
     async def _install(self, snap: Snapshot) -> None:
         """A snapshot from the leader (checked when it arrived): persist it, then
         become it."""
@@ -779,9 +952,21 @@ class ClusterLog:
         job = self.storage.install_job(
             meta.index, path, (hs.term, hs.vote, max(hs.commit, meta.index))
         )
-        await asyncio.get_running_loop().run_in_executor(self._writer, job)
+        loop = asyncio.get_running_loop()
+        if self._snapshotting is not None:  # our own one is older: let it end
+            await asyncio.wait([self._snapshotting])
+        await loop.run_in_executor(self._writer, job)
         self.state_machine.restore_state(contents.state)
         self._snapshot_index = meta.index
+        if self.backend is not None:
+            # Until this commits, a restart finds the backend behind the
+            # snapshot file and restores from the file.
+            checkpoint = self.state_machine.checkpoint()
+            await loop.run_in_executor(
+                self._backend_thread, self._commit_checkpoint, checkpoint, False
+            )
+            self.backend.renew_reader()
+            self.state_machine.checkpoint_done()
         if self.on_restored is not None:
             self.on_restored()  # node-local views rebuild from the new state
         log.info("raft installed snapshot index=%d term=%d", meta.index, meta.term)

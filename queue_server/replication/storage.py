@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from queue_server.storage import snapshot
 from queue_server.storage.snapshot import SnapshotStore
 from queue_server.storage.wal import WALFullError, WriteAheadLog
 
@@ -76,10 +77,20 @@ class RaftStorage:
         self.snapshots = SnapshotStore(os.path.join(data_dir, "raft", "snap"), fsync)
         self._seq = 0
 
-    def load(self) -> Loaded:
-        """Read everything back (and open the WAL for appending)."""
+    def load(self, state_held_at: int = 0) -> Loaded:
+        """Read everything back (and open the WAL for appending). A snapshot at
+        or below `state_held_at` (the backend's consistent index) gives only its
+        raft position: its state is not built, the backend has it."""
         out = Loaded()
-        found = self.snapshots.load_latest()
+        indexes = self.snapshots.indexes()
+        if indexes and 0 < indexes[-1] <= state_held_at:
+            out.snapshot_index, out.snapshot_term, out.voters = snapshot.read_header(
+                self.snapshots.path(indexes[-1])
+            )
+            self.snapshots.remove_interrupted()
+            found = None
+        else:
+            found = self.snapshots.load_latest()
         if found is not None:
             out.snapshot_index = found.index
             out.snapshot_term = found.raft_term
@@ -162,6 +173,19 @@ class RaftStorage:
             return size
 
         return run
+
+    def restart_job(
+        self, hard_state: tuple[int, int, int], entries_after: list[StoredEntry]
+    ) -> Callable[[], None]:
+        """The WAL restarted after a snapshot already saved (`save_snapshot`):
+        its records are numbered now, so run it on the writer thread in order."""
+        return self._wal_restart(hard_state, entries_after)
+
+    def save_snapshot(
+        self, index: int, state: dict[str, Any], raft_term: int, voters: Iterable[int]
+    ) -> int:
+        """Write the snapshot file at `index` (blocking, any thread); its size."""
+        return self.snapshots.save(index, state, raft_term, tuple(voters))
 
     def install_job(
         self, index: int, received: str, hard_state: tuple[int, int, int]

@@ -127,6 +127,9 @@ class CommitBatch:
     deletes: list[int] = field(default_factory=list)
     sections: bytes | None = None
     tables: Mapping[str, Mapping[bytes, bytes | None]] = field(default_factory=dict)
+    replace: bool = False
+    """Empty the key revisions and tables first: the state was restored from a
+    snapshot, and `writes` and `tables` hold all of it."""
 
 
 class Backend:
@@ -251,6 +254,9 @@ class Backend:
         with nothing written)."""
         key_db = self._key
         with self.env.begin(write=True) as txn:
+            if batch.replace:
+                for db in (self._key, self._state, *self._tables.values()):
+                    txn.drop(db, delete=False)
             put = txn.put
             delete = txn.delete
             for code in batch.deletes:
@@ -282,7 +288,8 @@ class Backend:
         """A compacted copy of the file (free pages dropped) into directory
         `into`, from a read transaction: commits may go on meanwhile, and the copy
         is of the state when it began (any thread)."""
-        os.makedirs(into, exist_ok=True)
+        shutil.rmtree(into, ignore_errors=True)  # a copy a crash or a full disk cut short
+        os.makedirs(into)
         self.env.copy(into, compact=True)
 
     def swap_in(self, copied: str) -> None:

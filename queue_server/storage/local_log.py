@@ -52,7 +52,7 @@ import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Any, TypeVar
 
 import lmdb
 
@@ -72,6 +72,8 @@ from queue_server.storage.snapshot import CorruptSnapshotError, SnapshotStore
 from queue_server.storage.wal import WALFullError, WALGapError, WriteAheadLog
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 DEFAULT_SNAPSHOT_COUNT = 100_000
 """Applied entries between checkpoints: etcd 3.5's --snapshot-count default. It
@@ -180,10 +182,15 @@ class LocalLog:
         self._next_index = 0
         self._checkpoint_index = 0  # the backend's consistent index
         self._checkpoint: asyncio.Task[bool] | None = None  # one in flight at a time
-        self._checkpoints_held = 0  # a defragment copies the file meanwhile
         self._sections_seconds = 0.0  # how long the last checkpoint's export took
+        # Set while a defragment copies and swaps the file: no checkpoint then.
+        self._defragmenting: asyncio.Future[None] | None = None
+        # Reads of a checkpoint's transaction on threads (Snapshot, HashKV): the
+        # file is swapped only once they end (closing it ends their transactions).
+        self._reading: set[asyncio.Future[None]] = set()
         self._failed: BaseException | None = None
         self._wal_job = False  # the writer thread owns the WAL files meanwhile
+        self._recovered = False  # recover() finished: the state is the data dir's
         self._closed = False
         self.commits = 0  # group commits done: batches written and fsynced
         self.checkpoints = 0  # backend checkpoints committed
@@ -268,6 +275,7 @@ class LocalLog:
                 backend.path,
                 legacy + ".converted",
             )
+        self._recovered = True
         rec = self.wal.recovery
         log.info(
             "recovered backend_index=%d replayed=%d last_index=%d keys=%d dropped_bytes=%d "
@@ -415,7 +423,11 @@ class LocalLog:
     # -- checkpoints ----------------------------------------------------------
 
     def _checkpoint_due(self) -> bool:
-        if self._checkpoint is not None or self._checkpoints_held or self._failed is not None:
+        if (
+            self._checkpoint is not None
+            or self._defragmenting is not None
+            or self._failed is not None
+        ):
             return False
         sm = self.state_machine
         entries = sm.applied_index - self._checkpoint_index
@@ -446,7 +458,14 @@ class LocalLog:
         index = checkpoint.index
         image = snapshot.encode(index, checkpoint.sections)
         self.backend.commit(
-            CommitBatch(index, checkpoint.writes, checkpoint.dropped, image, checkpoint.tables)
+            CommitBatch(
+                index,
+                checkpoint.writes,
+                checkpoint.dropped,
+                image,
+                checkpoint.tables,
+                checkpoint.replace,
+            )
         )
         return time.monotonic() - started
 
@@ -495,11 +514,19 @@ class LocalLog:
         self.wal.rotate()
         self.wal.remove_covered(index)
 
+    async def _settled(self) -> None:
+        """Return once no checkpoint and no defragment is in flight."""
+        while True:
+            busy: asyncio.Future[Any] | None = self._checkpoint or self._defragmenting
+            if busy is None:
+                return
+            await asyncio.shield(busy)
+
     async def checkpoint_now(self) -> None:
-        """Write a checkpoint at the current applied index, after the one in
-        flight (tests, Defragment, a Snapshot or HashKV request, shutdown)."""
-        while self._checkpoint is not None:
-            await asyncio.shield(self._checkpoint)
+        """Write a checkpoint at the current applied index, after the one (or
+        the defragment) in flight (tests, Defragment, a Snapshot or HashKV
+        request, shutdown)."""
+        await self._settled()
         if self._failed is not None:
             raise ServerStopped()
         if not await self._start_checkpoint():
@@ -523,62 +550,78 @@ class LocalLog:
         empty, seekable `fileobj`: a checkpoint, then the file is written on a
         thread from a read transaction, the key revisions straight from the
         backend's `key` db; returns its size."""
-        index, txn = await self.read_checkpointed()
         backend = self.backend
 
-        def write() -> int:
+        def write(index: int, txn: lmdb.Transaction) -> int:
+            image = backend.sections(txn)
+            assert image is not None
+            contents = snapshot.decode(image, "backend sections")
+            state = sections_with_tables(contents.state, lambda t: backend.table_rows(t, txn))
+            return etcd_backend.write_etcd_db(
+                fileobj, index, state, key_items=backend.raw_revisions(txn)
+            )
+
+        return await self._read_on_thread(write)
+
+    async def _read_on_thread(self, read: Callable[[int, lmdb.Transaction], _T]) -> _T:
+        """`read(index, txn)` on a thread over a read transaction that sees a
+        checkpoint made now, aborted after; a defragment waits for it to end
+        before swapping the file."""
+        index, txn = await self.read_checkpointed()
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[None] = loop.create_future()
+        self._reading.add(ended)
+        ended.add_done_callback(self._reading.discard)
+
+        def run() -> _T:
             try:
-                image = backend.sections(txn)
-                assert image is not None
-                contents = snapshot.decode(image, "backend sections")
-                state = sections_with_tables(contents.state, lambda t: backend.table_rows(t, txn))
-                return etcd_backend.write_etcd_db(
-                    fileobj, index, state, key_items=backend.raw_revisions(txn)
-                )
+                return read(index, txn)
             finally:
                 txn.abort()
+                with contextlib.suppress(RuntimeError):  # the loop is gone: no one waits
+                    loop.call_soon_threadsafe(ended.set_result, None)
 
-        return await asyncio.get_running_loop().run_in_executor(None, write)
+        return await loop.run_in_executor(None, run)
 
     async def hash_kv(self, revision: int) -> int:
         """HashKV at `revision` (checked already, 0: now): the store's checksum
         computed on a thread from a checkpoint's read transaction, the same
         value `MVCCStore.hash_kv` gives."""
         bound = position(self.state_machine.store.check_revision(revision)) << 1 | 1
-        _, txn = await self.read_checkpointed()
         backend = self.backend
 
-        def run() -> int:
-            try:
-                h = zlib.crc32(b"key")
-                parse = kv_pb2.KeyValue.FromString
-                for pos, tombstone, raw in backend.revisions(txn):
-                    code = pos << 1 | tombstone
-                    if code > bound:
-                        break
-                    kv = parse(raw)
-                    h = hash_change(h, kv.key, code, None if tombstone else kv.value)
-                return h
-            finally:
-                txn.abort()
+        def run(_index: int, txn: lmdb.Transaction) -> int:
+            h = zlib.crc32(b"key")
+            parse = kv_pb2.KeyValue.FromString
+            for pos, tombstone, raw in backend.revisions(txn):
+                code = pos << 1 | tombstone
+                if code > bound:
+                    break
+                kv = parse(raw)
+                h = hash_change(h, kv.key, code, None if tombstone else kv.value)
+            return h
 
-        return await asyncio.get_running_loop().run_in_executor(None, run)
+        return await self._read_on_thread(run)
 
     async def defragment(self) -> None:
         """etcd's Defragment: the backend file rewritten without its free pages,
-        copied in a thread while the loop serves; no checkpoint commits during
-        the copy, so swapping the copy in loses nothing."""
+        copied in a thread while the loop serves; no checkpoint commits from the
+        copy's start to the swap (checkpoint_now waits, so a Snapshot, a HashKV
+        or another Defragment asked meanwhile waits too), so swapping the copy in
+        loses nothing, and the swap waits for the reads begun before."""
         await self.checkpoint_now()
-        while self._checkpoint is not None:
-            await asyncio.shield(self._checkpoint)
-        self._checkpoints_held += 1
+        await self._settled()  # a defragment, or a checkpoint, started meanwhile
+        loop = asyncio.get_running_loop()
+        done = self._defragmenting = loop.create_future()
         try:
             copy = self.backend.path + ".defrag"
-            loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._backend_thread, self.backend.copy_compacted, copy)
+            while self._reading:
+                await asyncio.wait(list(self._reading))
             self.backend.swap_in(copy)
         finally:
-            self._checkpoints_held -= 1
+            self._defragmenting = None
+            done.set_result(None)
 
     # -- shutdown -------------------------------------------------------------
 
@@ -588,10 +631,18 @@ class LocalLog:
         self._closed = True
         while self._flusher is not None:
             await asyncio.shield(self._flusher)
-        while self._checkpoint is not None:
-            await asyncio.shield(self._checkpoint)
+        await self._settled()
         sm = self.state_machine
-        if self._failed is None and sm.failed is None and sm.applied_index > self._checkpoint_index:
+        # After a refused recover() the state is half-built (the server stops
+        # what it could not start): a checkpoint of it, and the WAL segment its
+        # trim opens, would make the backend and the WAL meet again, and the
+        # next start would serve it.
+        if (
+            self._recovered
+            and self._failed is None
+            and sm.failed is None
+            and sm.applied_index > self._checkpoint_index
+        ):
             with contextlib.suppress(lmdb.Error, OSError, NoSpace):
                 await self._start_checkpoint()
         self._writer.shutdown(wait=True)

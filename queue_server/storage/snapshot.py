@@ -67,6 +67,7 @@ __all__ = [
     "SnapshotStore",
     "decode",
     "encode",
+    "read_header",
     "read_local_snapshot",
     "read_snapshot",
     "unwrap_transfer",
@@ -177,7 +178,7 @@ class SnapshotStore:
         for old in self.indexes()[:-KEEP_SNAPSHOTS]:
             os.remove(self.path(old))
 
-    def _remove_interrupted(self) -> None:
+    def remove_interrupted(self) -> None:
         for name in os.listdir(self.directory):
             if name.endswith(".tmp"):  # a save that a crash interrupted
                 os.remove(os.path.join(self.directory, name))
@@ -209,7 +210,7 @@ class SnapshotStore:
 
     def load_latest(self) -> SnapshotContents | None:
         """The newest snapshot, or None if there is none."""
-        self._remove_interrupted()
+        self.remove_interrupted()
         indexes = self.indexes()
         if not indexes:
             return None
@@ -219,7 +220,7 @@ class SnapshotStore:
         """The newest snapshot that passes its checks (or None), and the errors
         of the newer ones that failed. A fallback is only safe if the log holds
         every record after the older snapshot: the caller checks that."""
-        self._remove_interrupted()
+        self.remove_interrupted()
         broken: list[CorruptSnapshotError] = []
         for index in reversed(self.indexes()):
             try:
@@ -278,6 +279,32 @@ def read_snapshot(fileobj: IO[bytes], name: str) -> SnapshotContents:
         raise CorruptSnapshotError(
             f"{name} is not a valid snapshot: {e}", _index_of(name)
         ) from None
+
+
+def read_header(path: str) -> tuple[int, int, tuple[int, ...]]:
+    """The applied index, raft term and voters of the snapshot file at `path`,
+    checked by its checksum, without building its state (a restart whose
+    backend already holds that state needs only its raft position)."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, io.SEEK_END)
+            f.seek(0)
+            if f.read(len(MAGIC)) != MAGIC or size < len(MAGIC) + TRAILER_BYTES:
+                raise SnapshotFormatError(f"it does not start with {MAGIC!r}")
+            _check_crc(f, size)
+            f.seek(len(MAGIC))
+            (length,) = _LENGTH.unpack(_read_exactly(f, _LENGTH.size))
+            if not 0 < length <= MAX_RECORD_BYTES:
+                raise SnapshotFormatError("no header record")
+            record = snapshot_codec.parse_record(_read_exactly(f, length))
+    except SnapshotFormatError as e:
+        raise CorruptSnapshotError(
+            f"{path} is not a valid snapshot: {e}", _index_of(path)
+        ) from None
+    if record.WhichOneof("body") != "header":
+        raise CorruptSnapshotError(f"{path} is not a valid snapshot: no header", _index_of(path))
+    h = record.header
+    return h.applied_index, h.raft_term, tuple(h.voters)
 
 
 def _read(fileobj: IO[bytes]) -> SnapshotContents:

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
 
+from etcdserverpb import kv_pb2
 from etcdserverpb import snapshot_pb2 as pb
 from queue_server.apply import STATE_FORMAT
 from queue_server.mvcc.store import SUB_BITS
@@ -62,6 +63,20 @@ NEVER_COMPACTED = -1
 """`MVCCStore.compact_revision` of a store never compacted."""
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class RawRevisions:
+    """Key histories as etcd's `key` bucket holds them, for `encode_records` in
+    the place of the per-key lists: `items` yields (revision key, KeyValue bytes)
+    in revision order (a backend read transaction's `key` db) and `key_count` is
+    how many distinct keys they hold (the header's count)."""
+
+    key_count: int
+    items: Iterable[tuple[bytes, bytes]]
+
+    def __len__(self) -> int:
+        return self.key_count
 
 
 class SnapshotFormatError(ValueError):
@@ -108,7 +123,10 @@ def encode_records(
         )
     )
     yield pb.Record(mvcc=pb.Mvcc(revision=revision, compact_revision=compact_revision))
-    yield from _key_chunks(keys)
+    if isinstance(keys, RawRevisions):
+        yield from _revision_chunks(keys.items)
+    else:
+        yield from _key_chunks(keys)
     for leases in _chunks(state["leases"], lambda _: ITEM_BYTES):
         yield pb.Record(
             leases=pb.LeaseChunk(leases=[pb.Lease(lease_id=i, ttl=t) for i, t in leases])
@@ -171,6 +189,22 @@ def _key_chunks(keys: list[tuple[bytes, list[int], list[Any]]]) -> Iterator[pb.R
                 change.lease = lease
                 size += len(value)
             size += ITEM_BYTES
+    if size:
+        yield record
+
+
+def _revision_chunks(items: Iterable[tuple[bytes, bytes]]) -> Iterator[pb.Record]:
+    record = pb.Record()
+    chunk = record.revisions
+    size = 0
+    for revision_key, value in items:
+        chunk.revision_keys.append(revision_key)
+        chunk.values.append(value)
+        size += len(value) + ITEM_BYTES
+        if size >= CHUNK_BYTES:
+            yield record
+            record, size = pb.Record(), 0
+            chunk = record.revisions
     if size:
         yield record
 
@@ -318,7 +352,7 @@ def parse_record(raw: bytes) -> pb.Record:
     return record
 
 
-_CHUNK_OF = {"cqs_chunk": "cqs_queue", "queue_chunk": "queue"}
+_CHUNK_OF = {"cqs_chunk": "cqs_queue", "queue_chunk": "queue", "revisions": "keys"}
 _RANKS = {
     f.name: pb.Record.DESCRIPTOR.fields_by_name[_CHUNK_OF.get(f.name, f.name)].number
     for f in pb.Record.DESCRIPTOR.fields
@@ -338,6 +372,9 @@ class StateReader:
         self._header: pb.Header | None = None
         self._mvcc: tuple[int, int] | None = None
         self._keys: list[tuple[bytes, list[int], list[Any]]] = []
+        # key -> (positions, changes), from RevisionChunks (in revision order)
+        self._by_key: dict[bytes, tuple[list[int], list[Any]]] = {}
+        self._last_position = 0
         self._leases: list[tuple[int, int]] = []
         self._lease_ids: set[int] = set()
         self._alarms: list[tuple[int, int]] = []
@@ -354,6 +391,7 @@ class StateReader:
             "header": self._add_header,
             "mvcc": self._add_mvcc,
             "keys": self._add_keys,
+            "revisions": self._add_revisions,
             "leases": self._add_leases,
             "alarms": self._add_alarms,
             "queue": self._add_queue,
@@ -384,6 +422,11 @@ class StateReader:
 
     def finish(self) -> SnapshotContents:
         """The snapshot, once every record was added."""
+        if self._by_key:
+            if self._keys:
+                raise SnapshotFormatError("both key histories and revisions")
+            self._keys = [(k, *history) for k, history in sorted(self._by_key.items())]
+            self._by_key = {}
         header = self._header
         if header is None or self._mvcc is None or self._auth is None:
             raise SnapshotFormatError("the header, mvcc or auth record is missing")
@@ -460,6 +503,44 @@ class StateReader:
                     changes.append(None)
                 else:
                     changes.append((c.create_revision, c.mod_revision, c.version, c.value, c.lease))
+
+    def _add_revisions(self, chunk: pb.RevisionChunk) -> None:
+        assert self._mvcc is not None  # add() saw to it
+        top = self._mvcc[0]
+        if len(chunk.revision_keys) != len(chunk.values):
+            raise SnapshotFormatError("a revision chunk with keys and values unpaired")
+        by_key = self._by_key
+        for raw, value in zip(chunk.revision_keys, chunk.values, strict=True):
+            if (
+                len(raw) not in (17, 18)
+                or raw[8:9] != b"_"
+                or (len(raw) == 18 and raw[17:] != b"t")
+            ):
+                raise SnapshotFormatError(f"revision key {raw!r} is not etcd's layout")
+            main = int.from_bytes(raw[:8], "big")
+            sub = int.from_bytes(raw[9:17], "big")
+            if not 1 <= main <= top or sub > _SUB_MASK:
+                raise SnapshotFormatError(f"a change at revision {main}")
+            pos = main << SUB_BITS | sub
+            if pos <= self._last_position:
+                raise SnapshotFormatError("revisions out of order")
+            self._last_position = pos
+            try:
+                kv = kv_pb2.KeyValue.FromString(value)
+            except DecodeError:
+                raise SnapshotFormatError(f"revision {main}.{sub} is not a KeyValue") from None
+            if not kv.key:
+                raise SnapshotFormatError(f"revision {main}.{sub} has no key")
+            history = by_key.get(kv.key)
+            if history is None:
+                history = by_key[kv.key] = ([], [])
+            history[0].append(pos)
+            if len(raw) == 18:
+                history[1].append(None)
+            else:
+                history[1].append(
+                    (kv.create_revision, kv.mod_revision, kv.version, kv.value, kv.lease)
+                )
 
     def _add_leases(self, chunk: pb.LeaseChunk) -> None:
         for lease in chunk.leases:

@@ -1,18 +1,24 @@
 """Unit tests of the MVCC store: revisions, versions, tombstones, history, compaction.
 
-The property test at the end runs random operation sequences against the store and
-against a deliberately naive model (a dict of per-key change lists) and requires
-the two to agree on every read, at every revision that is still readable.
+The property tests at the end run random operation sequences against the store and
+against a deliberately naive model (a dict of per-key change lists) and require
+the two to agree on every read, at every revision that is still readable: once
+with the whole store in memory, once with its values moving to a real LMDB
+backend by checkpoints (taken in steps, some failing) and rebuilt from it.
 """
 
 from __future__ import annotations
 
+import tempfile
+
+import lmdb
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from queue_server.errors import Compacted, FutureRevision
 from queue_server.mvcc.store import ALL_KEYS_END, Event, KeyValue, MVCCStore
+from queue_server.storage.backend import Backend, CommitBatch, encode_kv, revision_key
 
 pytestmark = pytest.mark.unit
 
@@ -219,6 +225,10 @@ class Model:
         self.revision += 1
         self.changes.setdefault(key, []).append((self.revision, value))
 
+    def lease_of(self, key: bytes, mod_revision: int) -> int:
+        """The lease of the put at `mod_revision` (0 here; see LeasedModel)."""
+        return 0
+
     def delete(self, key: bytes, end: bytes | None) -> None:
         keys = [k for k in self.changes if (k == key if end is None else key <= k < end)]
         live = [k for k in keys if self.value_at(k, self.revision) is not None]
@@ -227,6 +237,26 @@ class Model:
         self.revision += 1
         for k in live:
             self.changes[k].append((self.revision, None))
+
+
+def agrees(store: MVCCStore, model: Model) -> None:
+    """The store and the model agree at every readable revision, key by key
+    and as a range, and on what exists now."""
+    assert store.revision == model.revision
+    for rev in range(max(model.compacted, 1), model.revision + 1):
+        expected = []
+        for key in KEYS:
+            state = model.value_at(key, rev)
+            if state is not None:
+                lease = model.lease_of(key, state[2])
+                expected.append(KeyValue(key, state[1], state[2], state[3], state[0], lease))
+        got = store.range(b"\x00", ALL_KEYS_END, revision=rev)
+        assert got.kvs == expected, f"at revision {rev}"
+        assert got.count == len(expected)
+    assert store.key_count == sum(model.value_at(k, model.revision) is not None for k in KEYS)
+    if model.compacted > 1:
+        with pytest.raises(Compacted):
+            store.range(b"a", None, revision=model.compacted - 1)
 
 
 ops = st.one_of(
@@ -264,21 +294,7 @@ def test_store_agrees_with_model(operations: list[tuple[str, object, object]]) -
             else:
                 with pytest.raises((Compacted, FutureRevision)):
                     store.compact(a)
-        assert store.revision == model.revision
-        # every readable revision agrees, key by key and as a range
-        for rev in range(max(model.compacted, 1), model.revision + 1):
-            expected = []
-            for key in KEYS:
-                state = model.value_at(key, rev)
-                if state is not None:
-                    expected.append(KeyValue(key, state[1], state[2], state[3], state[0], 0))
-            got = store.range(b"\x00", ALL_KEYS_END, revision=rev)
-            assert got.kvs == expected, f"at revision {rev}"
-            assert got.count == len(expected)
-        assert store.key_count == sum(model.value_at(k, model.revision) is not None for k in KEYS)
-        if model.compacted > 1:
-            with pytest.raises(Compacted):
-                store.range(b"a", None, revision=model.compacted - 1)
+        agrees(store, model)
     # history replays exactly the events that were delivered live, in order
     for after in range(max(model.compacted, 1), model.revision + 1):
         live = [e for rev, evs in committed if rev > after for e in evs]
@@ -287,3 +303,203 @@ def test_store_agrees_with_model(operations: list[tuple[str, object, object]]) -
         # prev_kv survives in history unless compaction removed it
         for got, want in zip(replayed, live, strict=True):
             assert got.prev_kv in (want.prev_kv, None)
+
+
+# -- the same property on a real backend, with checkpoints --------------------------
+
+
+class LeasedModel(Model):
+    """The model, with the lease each put attached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.leases: dict[tuple[bytes, int], int] = {}
+
+    def put_leased(self, key: bytes, value: bytes, lease: int) -> None:
+        self.put(key, value)
+        self.leases[key, self.revision] = lease
+
+    def lease_of(self, key: bytes, mod_revision: int) -> int:
+        return self.leases.get((key, mod_revision), 0)
+
+    def leased_now(self) -> dict[bytes, int]:
+        found = {}
+        for key in KEYS:
+            state = self.value_at(key, self.revision)
+            if state is not None and self.lease_of(key, state[2]):
+                found[key] = self.lease_of(key, state[2])
+        return found
+
+
+class FullDiskBackend(Backend):
+    """A real backend whose commit, when `full`, finds the disk full half-way
+    through its write transaction, as LMDB reports it: nothing is written."""
+
+    full = False
+
+    def commit(self, batch: CommitBatch) -> None:
+        if not self.full:
+            return super().commit(batch)
+        with self.env.begin(write=True) as txn:
+            for code, kv in list(batch.writes.items())[:2]:
+                txn.put(revision_key(code >> 1, bool(code & 1)), encode_kv(kv), db=self._key)
+            raise lmdb.DiskError("mdb_txn_commit: No space left on device")
+
+
+class Checkpoints:
+    """The local log's checkpoint, one step at a time: `take` (take_batch, on
+    the loop), `write` (Backend.commit, the backend thread), `done`
+    (renew_reader, then batch_committed, on the loop), or `fail` (the commit
+    refused, then batch_failed)."""
+
+    def __init__(self, store: MVCCStore, backend: FullDiskBackend) -> None:
+        self.store = store
+        self.backend = backend
+        self.index = 0
+        self.taken: tuple[dict[int, KeyValue], list[int]] | None = None
+        self.written = False
+
+    def step(self, step: str) -> None:
+        if step == "whole":
+            if self.taken is None:
+                self.step("take")
+                self.step("write")
+                self.step("done")
+        elif step == "take" and self.taken is None:
+            self.index += 1
+            self.taken = self.store.take_batch()
+        elif step == "write" and self.taken is not None and not self.written:
+            writes, dropped = self.taken
+            self.backend.commit(CommitBatch(self.index, writes, dropped))
+            self.written = True
+        elif step == "done" and self.written:
+            self.backend.renew_reader()
+            self.store.batch_committed()
+            self.taken, self.written = None, False
+        elif step == "fail" and self.taken is not None and not self.written:
+            writes, dropped = self.taken
+            self.backend.full = True
+            with pytest.raises(lmdb.DiskError):
+                self.backend.commit(CommitBatch(self.index, writes, dropped))
+            self.backend.full = False
+            self.store.batch_failed(dropped)
+            self.taken = None
+
+    def finish(self) -> None:
+        """Whatever is in flight committed, then one more checkpoint."""
+        if self.taken is not None:
+            self.step("write")
+            self.step("done")
+        self.step("whole")
+
+
+checkpoint_steps = st.tuples(
+    st.just("checkpoint"), st.sampled_from(["whole", "take", "write", "done", "fail"]), st.none()
+)
+few_keys = st.sampled_from(KEYS[:2])  # so that changes meet the same keys' earlier ones
+backend_ops = st.one_of(
+    ops,
+    st.tuples(st.just("put"), few_keys, st.binary(max_size=2)),
+    st.tuples(st.just("del"), few_keys, st.none()),
+    st.tuples(st.just("lput"), st.sampled_from(KEYS), st.integers(min_value=1, max_value=3)),
+    # a compaction a few revisions back (ops' own ones are mostly refused)
+    st.tuples(st.just("recent"), st.integers(min_value=0, max_value=3), st.none()),
+    checkpoint_steps,
+    checkpoint_steps,
+)
+
+
+def cp(step: str) -> tuple[str, str, None]:
+    return ("checkpoint", step, None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(backend_ops, max_size=50))
+# a failed checkpoint carried deletes of committed revisions compaction dropped
+@example(
+    [
+        ("put", b"a", b"1"),
+        cp("whole"),
+        ("put", b"a", b"2"),
+        ("recent", 0, None),
+        cp("take"),
+        cp("fail"),
+    ]
+)
+# compaction dropped revisions of the checkpoint in flight, which then failed
+@example([("put", b"a", b"1"), cp("take"), ("put", b"a", b"2"), ("recent", 0, None), cp("fail")])
+# ... which then committed, read before and after the reader saw it
+@example(
+    [
+        ("put", b"a", b"1"),
+        cp("take"),
+        ("put", b"a", b"2"),
+        ("recent", 0, None),
+        cp("write"),
+        cp("done"),
+    ]
+)
+# a tombstone committed, then compacted away
+@example([("put", b"a", b"1"), ("del", b"a", None), cp("whole"), ("recent", 0, None), cp("whole")])
+def test_store_on_a_backend_agrees_with_model(operations: list[tuple[str, object, object]]) -> None:
+    """As test_store_agrees_with_model, with the values moving to a real LMDB
+    backend by checkpoints taken in steps, reads in between every step, and
+    checkpoints that fail on a full disk; then a store rebuilt from the
+    backend's one scan (a restart) agrees too."""
+    with tempfile.TemporaryDirectory() as directory:
+        backend = FullDiskBackend(directory, fsync=False)
+        try:
+            store, model = MVCCStore(backend), LeasedModel()
+            checkpoints = Checkpoints(store, backend)
+            for op, a, b in operations:
+                if op == "put":
+                    assert isinstance(a, bytes) and isinstance(b, bytes)
+                    put(store, a, b)
+                    model.put(a, b)
+                elif op == "lput":
+                    assert isinstance(a, bytes) and isinstance(b, int)
+                    put(store, a, b"leased", lease=b)
+                    model.put_leased(a, b"leased", b)
+                elif op == "del":
+                    assert isinstance(a, bytes)
+                    delete(store, a)
+                    model.delete(a, None)
+                elif op == "delrange":
+                    assert isinstance(a, bytes) and isinstance(b, bytes)
+                    delete(store, a, b)
+                    model.delete(a, b)
+                elif op in ("compact", "recent"):
+                    assert isinstance(a, int)
+                    if op == "recent":
+                        a = model.revision - a
+                    if model.compacted < a <= model.revision:
+                        store.compact(a)
+                        model.compacted = a
+                    else:
+                        with pytest.raises((Compacted, FutureRevision)):
+                            store.compact(a)
+                else:
+                    assert isinstance(a, str)
+                    checkpoints.step(a)
+                agrees(store, model)
+            checkpoints.finish()
+            agrees(store, model)
+            assert store.pending_bytes == 0
+            # a restart: the sections give the revisions, the backend's scan the rest
+            again = MVCCStore.from_state((store.revision, store.compact_revision, []), backend)
+            again.load_revisions(backend.scan_keys())
+            agrees(again, model)
+            assert again.key_count == store.key_count
+            assert again.export_state() == store.export_state()
+            low = max(model.compacted, 1)
+            for rev in range(low, model.revision + 1):
+                assert again.hash_kv(rev) == store.hash_kv(rev)
+            assert again.events_between(b"\x00", ALL_KEYS_END, low, model.revision) == (
+                store.events_between(b"\x00", ALL_KEYS_END, low, model.revision)
+            )
+            assert dict(again.leased_keys()) == model.leased_now()
+            # nothing compaction dropped is left in the file
+            kept = {code for _, codes in store._index.items() for code in codes}
+            assert {pos << 1 | tomb for pos, tomb, _, _ in backend.scan_keys()} == kept
+        finally:
+            backend.close()

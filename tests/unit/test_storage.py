@@ -1,5 +1,6 @@
-"""Unit tests of the durable log: WAL records, torn tails, snapshots, recovery,
-group commit. Files only, no network."""
+"""Unit tests of the durable log: WAL records, torn tails, snapshot files (now
+read only to convert an old data dir), recovery from the backend, group
+commit, full disks. Files only (a real LMDB backend), no network."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import logging
 import os
 from pathlib import Path
 
+import lmdb
 import pytest
 
 from etcdserverpb import internal_pb2, rpc_pb2
 from queue_server.apply import Applier, StateMachine
 from queue_server.errors import LeaseNotFound, NoSpace, RequestTooLarge
 from queue_server.mvcc.store import ALL_KEYS_END
+from queue_server.storage.backend import DB_DIR, Backend, CommitBatch
 from queue_server.storage.local_log import LocalLog
 from queue_server.storage.snapshot import CorruptSnapshotError, SnapshotStore
 from queue_server.storage.wal import (
@@ -24,6 +27,7 @@ from queue_server.storage.wal import (
     WALGapError,
     WriteAheadLog,
 )
+from tests.support.local_logs import WAIT, RecordingApplier, die, legacy_data_dir, settled
 
 pytestmark = pytest.mark.unit
 
@@ -105,42 +109,61 @@ def test_snapshot_round_trip_and_corruption(tmp_path: Path) -> None:
         snaps.load_latest()
 
 
-async def _fill(log: LocalLog, n: int) -> list[object]:
+async def _fill(log: LocalLog, first: int, n: int) -> list[object]:
     return list(
-        await asyncio.gather(
-            *(log.propose(put_command(b"k%03d" % i, b"v%d" % i)) for i in range(n))
+        await asyncio.wait_for(
+            asyncio.gather(
+                *(
+                    log.propose(put_command(b"k%03d" % i, b"v%d" % i))
+                    for i in range(first, first + n)
+                )
+            ),
+            WAIT,
         )
     )
 
 
-def test_local_log_group_commit_recovery_and_snapshots(tmp_path: Path) -> None:
+def test_local_log_group_commit_recovery_and_checkpoints(tmp_path: Path) -> None:
     async def first_life() -> None:
         sm = StateMachine()
         log = LocalLog(str(tmp_path), Applier(sm), snapshot_count=50)
         log.recover()
-        results = await _fill(log, 120)
+        results = []
+        for first in range(0, 120, 30):  # four rounds of 30 proposals at once
+            results += await _fill(log, first, 30)
+            await settled(log)
         assert all(isinstance(r, rpc_pb2.PutResponse) for r in results)
         # many concurrent proposals shared few fsyncs
         assert log.commits < 120
+        # a checkpoint every 50 entries or more, each one trimming the WAL
+        assert log.checkpoints >= 2
+        assert 100 <= log.backend.consistent_index <= 120
         bad = await log.propose(put_command(b"x", b"y", lease=42))
         assert isinstance(bad, LeaseNotFound)
         with pytest.raises(RequestTooLarge):
             await log.propose(put_command(b"big", b"x" * 2_000_000))
-        await log.close()
         assert sm.store.revision == 121
+        die(log)  # no close(): the restart must replay the tail
 
     asyncio.run(first_life())
-    assert (tmp_path / "snap").exists() and list((tmp_path / "snap").glob("*.snap"))
-    # covered segments were trimmed: fewer segments than snapshots taken + 1
+    # covered segments were trimmed
     assert len(list((tmp_path / "wal").glob("*.log"))) <= 2
 
     sm = StateMachine()
-    log = LocalLog(str(tmp_path), Applier(sm))
+    applier = RecordingApplier(sm)
+    log = LocalLog(str(tmp_path), applier)
     log.recover()
+    # only the tail after the backend's consistent index was replayed
+    consistent_index = log.backend.consistent_index
+    assert applier.indexes == list(range(consistent_index + 1, 122))
     assert sm.store.revision == 121
     assert sm.applied_index == 121  # 120 puts + the failed put (a log entry too)
     assert sm.store.range(b"k", ALL_KEYS_END).count == 120
     assert sm.store.get(b"k119") is not None and sm.store.get(b"k119").value == b"v119"  # type: ignore[union-attr]
+    asyncio.run(log.close())  # checkpoints: the next start replays nothing
+    applier = RecordingApplier(StateMachine())
+    LocalLog(str(tmp_path), applier).recover()
+    assert applier.indexes == [] and applier.state.store.revision == 121
 
 
 def _three_records(directory: Path, middle: bytes = b"two") -> tuple[Path, bytes]:
@@ -209,51 +232,54 @@ def test_wal_damage_before_a_later_segment_is_refused(tmp_path: Path) -> None:
         list(WriteAheadLog(str(tmp_path)).replay(0))
 
 
-def _snapshotted_log(directory: Path, trim: bool) -> None:
-    """A log with snapshots at 50 and 100 and 120 entries; `trim` keeps only the
-    segments after the newest snapshot, as a long-running server would."""
-
-    async def life() -> None:
-        log = LocalLog(str(directory), Applier(StateMachine()), snapshot_count=50)
-        log.recover()
-        if not trim:  # as if each trim were cut short by a crash
-            log.wal.remove_covered = lambda snapshot_index: 0  # type: ignore[method-assign]
-        for first, n in ((0, 50), (50, 50), (100, 20)):  # one batch each
-            await asyncio.gather(
-                *(log.propose(put_command(b"k%03d" % i, b"v")) for i in range(first, first + n))
-            )
-        await log.close()
-
-    asyncio.run(life())
-    if not trim:
-        return
-    snaps = sorted((directory / "snap").glob("*.snap"))
-    assert [int(p.stem) for p in snaps] == [50, 100]
-    assert [int(p.stem) for p in sorted((directory / "wal").glob("*.log"))] == [101]
-
-
 def test_corrupt_newest_snapshot_falls_back_only_when_the_log_reaches_back(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    _snapshotted_log(tmp_path, trim=True)
-    newest = tmp_path / "snap" / f"{100:020d}.snap"
+    """Snapshot files are read only to convert a data dir of the old format:
+    there the fallback rule holds as before. Snapshots at 50 and 100, the
+    newest damaged: refused when the log starts at 101, converted (from the
+    older snapshot and the log) when the segments since 50 are still there."""
+    commands = [put_command(b"k%03d" % i, b"v") for i in range(120)]
+    trimmed = tmp_path / "trimmed"
+    legacy_data_dir(trimmed, commands, snapshots=[50, 100])
+    assert [int(p.stem) for p in sorted((trimmed / "wal").glob("*.log"))] == [101]
+    newest = trimmed / "snap" / f"{100:020d}.snap"
     data = newest.read_bytes()
     newest.write_bytes(data[:40] + bytes([data[40] ^ 1]) + data[41:])
     # the log starts at 101, the older snapshot is at 50: refused, never served
+    log = LocalLog(str(trimmed), Applier(StateMachine()))
     with pytest.raises(CorruptSnapshotError, match=r"checksum.*refusing to start"):
-        LocalLog(str(tmp_path), Applier(StateMachine())).recover()
-    assert newest.exists()
+        log.recover()
+    log.backend.close()
+    assert newest.exists() and not (trimmed / "snap.converted").exists()
 
     # with the segments since the older snapshot still there (a crash before
     # trimming), the older snapshot plus the log is provably the same state
     other = tmp_path / "untrimmed"
-    _snapshotted_log(other, trim=False)
+    legacy_data_dir(other, commands, snapshots=[50, 100], trim=False)
     newest = other / "snap" / f"{100:020d}.snap"
     newest.write_bytes(data[:40] + bytes([data[40] ^ 1]) + data[41:])
     sm = StateMachine()
-    LocalLog(str(other), Applier(sm)).recover()
+    applier = RecordingApplier(sm)
+    log = LocalLog(str(other), applier)
+    with caplog.at_level(logging.WARNING):
+        log.recover()
+    assert applier.indexes == list(range(51, 121))  # from the older snapshot on
     assert sm.store.revision == 121 and sm.store.range(b"k", ALL_KEYS_END).count == 120
-    assert not newest.exists() and newest.with_suffix(".snap.broken").exists()
+    assert "snapshot fallback used_index=50" in caplog.text
+    assert "data dir converted" in caplog.text
+    assert log.backend.consistent_index == 120
+    converted = other / "snap.converted"
+    assert not (other / "snap").exists()
+    assert not (converted / newest.name).exists()
+    assert (converted / (newest.name + ".broken")).exists()
+    state = sm.export_state()
+    asyncio.run(log.close())
+    # the next start reads the backend; the snapshot files are not looked at
+    again = StateMachine()
+    applier = RecordingApplier(again)
+    LocalLog(str(other), applier).recover()
+    assert applier.indexes == [] and again.export_state() == state
 
 
 class SmallDisk:
@@ -339,33 +365,69 @@ def test_wal_gap_is_seen_even_when_the_newest_segment_is_empty(tmp_path: Path) -
     assert list(WriteAheadLog(str(tmp_path)).replay(40)) == []
 
 
-class FullSnapshots(SnapshotStore):
-    """A snapshot directory whose disk is full for the first `full` saves."""
+class FullDisk(Backend):
+    """A real backend whose first `full` commits find the disk full, as LMDB
+    reports it: the write transaction aborted, nothing written."""
 
-    def __init__(self, directory: str, full: int) -> None:
-        super().__init__(directory)
+    def __init__(self, path: str, full: int, error: BaseException) -> None:
+        super().__init__(path)
         self.full = full
+        self.error = error
 
-    def save(self, index: int, state: object) -> int:
+    def commit(self, batch: CommitBatch) -> None:
         if self.full > 0:
             self.full -= 1
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return super().save(index, state)
+            with self.env.begin(write=True) as txn:  # begun, then refused: aborted
+                txn.put(b"half", b"written")
+                raise self.error
+        super().commit(batch)
 
 
-def test_failed_snapshot_keeps_writing_and_retries_later(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "error",
+    [
+        lmdb.DiskError("mdb_txn_commit: No space left on device"),
+        lmdb.MapFullError("mdb_put: MDB_MAP_FULL: Environment mapsize limit reached"),
+        OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+    ],
+    ids=["DiskError", "MapFullError", "ENOSPC"],
+)
+def test_failed_checkpoint_keeps_writing_and_retries_later(
+    tmp_path: Path, error: BaseException
+) -> None:
+    alarms: list[int] = []
+
     async def life() -> None:
-        log = LocalLog(str(tmp_path), Applier(StateMachine()), snapshot_count=10)
+        sm = StateMachine()
+        sm.use_backend(FullDisk(os.path.join(tmp_path, DB_DIR), full=1, error=error))
+        log = LocalLog(str(tmp_path), Applier(sm), snapshot_count=10)
         log.recover()
-        log.snapshots = FullSnapshots(str(tmp_path / "snap"), full=1)
-        for i in range(25):  # one at a time: a snapshot is due at 10, then at 20
-            assert isinstance(
-                await log.propose(put_command(b"k%02d" % i, b"v")), rpc_pb2.PutResponse
-            )
-        await log.close()
-        assert log.snapshots.indexes() == [20]
+        log.on_no_space = lambda: alarms.append(sm.applied_index)
+        for i in range(25):  # one at a time: a checkpoint is due at 10, then after it
+            result = await asyncio.wait_for(log.propose(put_command(b"k%02d" % i, b"v")), WAIT)
+            assert isinstance(result, rpc_pb2.PutResponse)
+            await settled(log)
+            if i == 9:  # the first checkpoint failed: NOSPACE raised, nothing lost
+                assert len(alarms) == 1 and log.checkpoints == 0
+                assert log.backend.consistent_index == 0
+            # every write so far reads back, whatever the backend holds
+            assert [kv.key for kv in sm.store.range(b"k", ALL_KEYS_END).kvs] == [
+                b"k%02d" % j for j in range(i + 1)
+            ]
+        assert len(alarms) == 1  # one failure, one alarm
+        assert log.checkpoints == 2 and log.backend.consistent_index == 21
+        # nothing of the failed transaction was written, and the WAL was trimmed
+        # only past the checkpoint that held the failed one's revisions
+        assert log.backend.reader.get(b"half") is None
+        assert [int(p.stem) for p in (tmp_path / "wal").glob("*.log")] == [22]
+        die(log)
 
     asyncio.run(life())
     sm = StateMachine()
-    LocalLog(str(tmp_path), Applier(sm)).recover()
+    applier = RecordingApplier(sm)
+    LocalLog(str(tmp_path), applier).recover()
+    assert applier.indexes == [22, 23, 24, 25]
     assert sm.store.revision == 26
+    assert [kv.key for kv in sm.store.range(b"k", ALL_KEYS_END).kvs] == [
+        b"k%02d" % j for j in range(25)
+    ]
