@@ -294,8 +294,8 @@ class QueueState:
         self._given_back: list[tuple[QueueInfo, int]] = []
         self._assigned: list[Assignment] = []
         self._now_ms = 0  # the command's stamp: new message keys are produced then
-        # With a backend: the (name, idx) of rows changed since `take_rows`
-        self._touched: set[tuple[bytes, int]] | None = None
+        # With a backend: queue name -> the idx of its rows changed since `take_rows`
+        self._touched: dict[bytes, set[int]] | None = None
 
     def _queue(self, name: bytes, spelling: bytes) -> QueueInfo:
         """The queue, created on first use with the spelling it was first used with."""
@@ -303,6 +303,24 @@ class QueueState:
         if q is None:
             q = self.queues[name] = QueueInfo(name, spelling)
         return q
+
+    def _touched_of(self, q: QueueInfo) -> set[int] | None:
+        """Where the rows of `q` that a change touches are journaled (None: no
+        journal is kept)."""
+        touched = self._touched
+        if touched is None:
+            return None
+        idxs = touched.get(q.name)
+        if idxs is None:
+            idxs = touched[q.name] = set()
+        return idxs
+
+    def _touch_all(self) -> None:
+        """Journal every message there is."""
+        for q in self.queues.values():
+            idxs = self._touched_of(q)
+            if idxs is not None:
+                idxs.update(q.message_idxs())
 
     def take_assignments(self) -> list[Assignment]:
         """What the last command handed out (and forget it)."""
@@ -388,8 +406,9 @@ class QueueState:
                 self._dirty.add(q)
             else:
                 return  # the same message put again: nothing of its row changes
-            if self._touched is not None:
-                self._touched.add((q.name, qk.idx))
+            touched = self._touched_of(q)
+            if touched is not None:
+                touched.add(qk.idx)
         elif kind == "consume":
             self._follow_consumer(self._queue(qk.name, qk.spelling), qk.consumer, e)
         elif kind == "registry" and not e.is_delete:
@@ -414,7 +433,7 @@ class QueueState:
         """Count a failed delivery of each message `slot` still holds; it is
         pending again, or dead-lettered after this command at max_deliveries."""
         n = 0
-        touched = self._touched
+        touched = self._touched_of(q)
         for idx in idxs:
             key = slot.held.pop(idx, None)
             if key is None:
@@ -422,7 +441,7 @@ class QueueState:
             del q.holder[idx]
             q.hand_out.pop(idx, None)
             if touched is not None:
-                touched.add((q.name, idx))
+                touched.add(idx)
             n += 1
             attempts = q.attempts.get(idx, 0) + 1
             q.attempts[idx] = attempts
@@ -527,7 +546,7 @@ class QueueState:
         n = len(slots)
         without_room = 0
         batches: dict[ConsumerSlot, list[tuple[int, bytes]]] = {}
-        touched = self._touched
+        touched = self._touched_of(q)
         while pending and without_room < n:
             slot = slots[q.next_consumer % n]
             q.next_consumer += 1
@@ -540,7 +559,7 @@ class QueueState:
             q.holder[idx] = slot
             q.hand_out[idx] = q.next_consumer  # grows with every hand-out
             if touched is not None:
-                touched.add((q.name, idx))
+                touched.add(idx)
             q.delivered += 1
             batches.setdefault(slot, []).append((idx, key))
         for slot, items in batches.items():
@@ -573,7 +592,8 @@ class QueueState:
     def keep_rows(self) -> None:
         """From now on, journal each message row a change touches (every
         message there is counts as touched: the table has none of them yet)."""
-        self._touched = {(q.name, idx) for q in self.queues.values() for idx in q.message_idxs()}
+        self._touched = {}
+        self._touch_all()
 
     def take_rows(self) -> dict[bytes, bytes | None]:
         """The rows changed since the last call (row key -> bytes, None: gone),
@@ -581,19 +601,46 @@ class QueueState:
         touched = self._touched
         if not touched:
             return {}
-        self._touched = set()
-        queues = self.queues
+        self._touched = {}
         rows: dict[bytes, bytes | None] = {}
-        for key, name, idx in sorted((row_key(name, idx), name, idx) for name, idx in touched):
-            q = queues.get(name)
-            rows[key] = q.row(idx) if q is not None else None
+        pack_idx, pack = _IDX.pack, _ROW.pack
+        for name in sorted(touched, key=lambda n: n + b"/"):  # the rows' key order
+            prefix = name + b"/"
+            q = self.queues.get(name)
+            if q is None:
+                rows.update((prefix + pack_idx(idx), None) for idx in sorted(touched[name]))
+                continue
+            # q.row() inlined: a checkpoint may take every message of a large load
+            holder, pending, produced, attempts = q.holder, q.pending, q.produced_ms, q.attempts
+            for idx in sorted(touched[name]):
+                key = prefix + pack_idx(idx)
+                slot = holder.get(idx)
+                if slot is not None:
+                    head = pack(
+                        ROW_LAYOUT,
+                        produced.get(idx, 0),
+                        attempts.get(idx, 0),
+                        q.hand_out.get(idx, 0),
+                    )
+                    rows[key] = head + slot.consumer_id
+                elif idx in pending:
+                    rows[key] = pack(ROW_LAYOUT, produced.get(idx, 0), attempts.get(idx, 0), 0)
+                else:
+                    rows[key] = None
         return rows
 
     def return_rows(self, rows: dict[bytes, bytes | None]) -> None:
         """A checkpoint failed: its rows are journaled again, so the next one
         takes them as they are then (newer changes win, being the state)."""
-        if self._touched is not None:
-            self._touched.update(parse_row_key(key) for key in rows)
+        touched = self._touched
+        if touched is None:
+            return
+        for key in rows:
+            name, idx = parse_row_key(key)
+            idxs = touched.get(name)
+            if idxs is None:
+                idxs = touched[name] = set()
+            idxs.add(idx)
 
     def export_sections(self) -> list[Any]:
         """What a checkpoint's sections image holds of this part: export_state's
@@ -628,9 +675,10 @@ class QueueState:
         what did not come from rows is journaled: an exported state's messages
         (and the ones this state had: their rows go), so the next checkpoint
         writes them."""
-        old = self._touched
-        if old is not None and rows is None:  # the table still holds this state's rows
-            old.update((q.name, idx) for q in self.queues.values() for idx in q.message_idxs())
+        if rows is None:  # the table still holds this state's rows: they go
+            self._touch_all()
+        elif self._touched is not None:  # the table holds the state restored
+            self._touched = {}
         self.queues = {}
         self._dirty.clear()
         self._to_dead = []
@@ -667,15 +715,15 @@ class QueueState:
                         q.hand_out[idx] = seq
                     seq += 1
         row_counts = self._restore_rows(rows) if rows is not None else {}
-        if old is None:
+        if self._touched is None:
             return
-        touched = old if rows is None else set()
         for q in self.queues.values():
             if rows is None or row_counts.get(q.name, 0) != q.depth:
                 # an exported state, or sections that held this queue's data
                 # (a backend written before the queue kept rows)
-                touched.update((q.name, idx) for idx in q.message_idxs())
-        self._touched = touched
+                marks = self._touched_of(q)
+                assert marks is not None
+                marks.update(q.message_idxs())
 
     def _restore_rows(self, rows: Iterable[tuple[bytes, bytes]]) -> dict[bytes, int]:
         """Per-message data from the `mq` table's rows (after the message keys
