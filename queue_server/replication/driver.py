@@ -53,13 +53,19 @@ import shutil
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
-from typing import IO, Any
+from typing import IO
 
 import lmdb
 from google.protobuf import empty_pb2
 
 from etcdserverpb import internal_pb2, peer_pb2
-from queue_server.apply import Applier, ApplyFailed, ApplyResult, Checkpoint
+from queue_server.apply import (
+    Applier,
+    ApplyFailed,
+    ApplyResult,
+    Checkpoint,
+    sections_with_tables,
+)
 from queue_server.errors import (
     EtcdError,
     LeaderChanged,
@@ -833,7 +839,6 @@ class ClusterLog:
                     self._snapshot_from_backend(
                         index,
                         sm.checkpoint(),
-                        sm.export_sections(full=True),
                         sm.store.history_key_count,
                         core.log.term(index) or 0,
                         tuple(core.conf_at(index)),
@@ -864,7 +869,6 @@ class ClusterLog:
         self,
         index: int,
         checkpoint: Checkpoint,
-        sections: dict[str, Any],
         key_count: int,
         term: int,
         voters: tuple[int, ...],
@@ -878,7 +882,7 @@ class ClusterLog:
         core, sm, backend = self.core, self.state_machine, self.backend
         assert core is not None and backend is not None
         try:
-            revision, compact_revision, _ = sections["mvcc"]
+            revision, compact_revision, _ = checkpoint.sections["mvcc"]
 
             def write() -> int | OSError:
                 """The size of the file, or why it could not be written (the
@@ -887,7 +891,11 @@ class ClusterLog:
                 txn = backend.begin_read()
                 try:
                     keys = RawRevisions(key_count, backend.raw_revisions(txn))
-                    state = dict(sections, mvcc=(revision, compact_revision, keys))
+                    # The parts' rows, from the same commit, back in their sections.
+                    whole = sections_with_tables(
+                        checkpoint.sections, lambda name: backend.table_rows(name, txn)
+                    )
+                    state = dict(whole, mvcc=(revision, compact_revision, keys))
                     return self.storage.save_snapshot(index, state, term, voters)
                 except OSError as e:
                     return e
