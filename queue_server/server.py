@@ -298,6 +298,7 @@ class Server:
                 snapshot_count=cfg.snapshot_count,
                 max_request_bytes=cfg.max_request_bytes,
             )
+            local.on_no_space = lambda: self._disk_full(member_id)
         assert self.log is not None
         try:
             self.log.recover()
@@ -313,7 +314,6 @@ class Server:
         ) as e:
             # Never serve a state that may be missing acknowledged writes.
             raise StartupError(f"data dir {cfg.data_dir!r} is damaged: {e}") from e
-            local.on_no_space = lambda: self._disk_full(member_id)
         # Every lease gets a full TTL from now, as after an etcd leader election.
         self._rearm_leases()
         return member_id, cluster_members
