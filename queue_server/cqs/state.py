@@ -406,14 +406,7 @@ class CqsState:
         return reached
 
     def _add(self, q: CqsQueue, p: Published) -> None:
-        q.tree.enqueue(
-            p.dto_type,
-            p.dto_id,
-            p.sla_us,
-            is_parent=p.is_parent,
-            alias=p.alias,
-            tracking_id=p.tracking_id,
-        )
+        q.tree.insert(p.dto_type, p.dto_id, p.sla_us, p.is_parent, p.alias, p.tracking_id)
         self._changed(q.name)
 
     # -- log commands -------------------------------------------------------------
@@ -454,13 +447,13 @@ class CqsState:
         sla, tracking = original.sla_us, original.tracking_id
         for item in c.items:
             urn = item.WhichOneof("urn")
-            q.tree.enqueue(
+            q.tree.insert(
                 item.dto_type,
                 getattr(item, urn or "dto_id"),
                 sla,
-                is_parent=urn == "parent_id",
-                alias=item.alias_name,
-                tracking_id=tracking,
+                urn == "parent_id",
+                item.alias_name,
+                tracking,
             )
         if c.visible_until_ms:
             q.tree.extend(c.original, c.visible_until_ms)

@@ -38,9 +38,12 @@ def test_dedup_merges_pending_keeping_the_more_urgent_sla() -> None:
     q = SlaQueue()
     a = q.enqueue("d", "t/a/s/b/x", 50, tracking_id="late")
     b = q.enqueue("d", "t/a/s/b/x", 20, tracking_id="early")
-    assert a is b and len(q) == 1 and (a.sla_us, a.tracking_id) == (20, "early")
-    q.enqueue("d", "t/a/s/b/x", 90, tracking_id="later")
-    assert (a.sla_us, a.tracking_id) == (20, "early")
+    # enqueue returns the pending record as it is now (a copy: the queue keeps
+    # packed entries, not these objects), equal to the first by identity
+    assert a == b and len(q) == 1 and (b.sla_us, b.tracking_id) == (20, "early")
+    c = q.enqueue("d", "t/a/s/b/x", 90, tracking_id="later")
+    assert (c.sla_us, c.tracking_id) == (20, "early") and q.seq_of(c) == q.seq_of(a)
+    assert [(r.sla_us, r.tracking_id) for r in q.pending()] == [(20, "early")]
     # dto_id and parent_id with the same text, and another alias, are different
     q.enqueue("d", "t/a/s/b/x", 20, is_parent=True)
     q.enqueue("d", "t/a/s/b/x", 20, alias="by_storeesl")
