@@ -24,6 +24,7 @@ from google.protobuf.message import Message
 from etcdserverpb import internal_pb2, rpc_pb2
 from queue_server.alarms import AlarmTable
 from queue_server.auth.store import AuthStore
+from queue_server.cqs import state as cqs_state
 from queue_server.cqs.state import CqsState
 from queue_server.errors import EtcdError, NoSpace, ServerStopped
 from queue_server.keyspace.router import KeyspaceRouter
@@ -390,7 +391,11 @@ def sections_with_tables(
     `tables` folded back in: `export_sections(full=True)` as it was at that
     checkpoint, what a snapshot of the whole state holds. Pure data, so a thread
     with a read transaction can make it."""
-    return dict(sections, queues=sections_with_rows(sections["queues"], tables("mq")))
+    return dict(
+        sections,
+        queues=sections_with_rows(sections["queues"], tables("mq")),
+        cqs=cqs_state.sections_with_rows(sections["cqs"], tables("cqs")),
+    )
 
 
 def _needs_space(kind: str | None, command: internal_pb2.Command, router: KeyspaceRouter) -> bool:

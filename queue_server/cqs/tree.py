@@ -44,13 +44,18 @@ stands for its prefix, so that triple is its identity.
 
 In flight records (few: what consumers hold) are `Record`s with their token,
 in `token -> InFlight`, plus a heap of `(visible_at, token)` with lazy deletion.
+
+Rows: after `keep_rows`, every change writes the row it changed (a pending
+entry's, an in-flight record's, or None) into the state's `RowJournal`, the
+way `state.py`'s docstring lays the `cqs` table out; `load_rows` rebuilds a
+queue from its rows in key order.
 """
 
 from __future__ import annotations
 
 import heapq
 import secrets
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +126,14 @@ def _parse(e: Entry) -> tuple[int, int, int, int, int]:
 
 def _ident_hash(kind: int, group: int, rest: bytes) -> int:
     return hash((kind, group, rest)) & _HASH_MASK
+
+
+def _whole_ms(value: float) -> int:
+    """A visibility time as the integer it is (the commands' clock is Unix ms)."""
+    whole = int(value)
+    if whole != value:
+        raise ValueError(f"visibility time {value!r} is not a whole number of ms")
+    return whole
 
 
 def text(raw: bytes) -> str:
@@ -209,9 +222,71 @@ class InFlight:
     visible_at: float
 
 
+def _by_priority(item: tuple[str, InFlight]) -> int:
+    return item[1].record.priority
+
+
 ExportRow = tuple[str, str, bool, str, int, str, int]
 """A notification in `export_state`: (dto_type, dto_id, is_parent, alias,
 sla_us, tracking_id, seq)."""
+
+
+class RowJournal:
+    """The `cqs` table's rows changed since the last checkpoint, shared by the
+    queues of one state: row key -> the row's bytes as they are now, or None
+    (gone). Each change writes its row's new bytes, so the dict always holds
+    current rows, and a checkpoint takes it whole (`CqsState.take_rows`)."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self) -> None:
+        self.rows: dict[bytes, bytes | None] = {}
+
+
+def table_key(table_id: int) -> bytes:
+    """The queue's part of its row keys (and its header row's key)."""
+    return table_id.to_bytes(4, "big")
+
+
+class DamagedRow(ValueError):
+    """A row of the `cqs` table that no queue of this version writes."""
+
+
+def decode_row(key: bytes, value: bytes) -> tuple[ExportRow, str, int]:
+    """One notification row (`key` after the queue's part) as export_state's
+    row, its token ("" while pending) and when it becomes visible (0 pending)."""
+    if len(key) != KEY_BYTES:
+        raise DamagedRow(f"a cqs row key of {len(key)} bytes, not {KEY_BYTES}")
+    try:
+        if value[0] > 1:
+            raise DamagedRow(f"a cqs row has flags {value[0]}")
+        n, at = unpack_n(value, 1)
+        dto_type, at = text(value[at : at + n]), at + n
+        n, at = unpack_n(value, at)
+        alias, at = text(value[at : at + n]), at + n
+        n, at = unpack_n(value, at)
+        tracking_id, at = text(value[at : at + n]), at + n
+        n, at = unpack_n(value, at)
+        token, at = text(value[at : at + n]), at + n
+        visible_at = 0
+        if n:
+            visible_at, at = int.from_bytes(value[at : at + 8], "big", signed=True), at + 8
+        if at > len(value):
+            raise DamagedRow("a cqs row is shorter than its lengths")
+        dto_id = text(value[at:])
+    except (IndexError, UnicodeDecodeError) as e:
+        raise DamagedRow(f"a cqs row does not parse: {e!r}") from e
+    priority = key_priority(key)
+    row = (
+        dto_type,
+        dto_id,
+        bool(value[0]),
+        alias,
+        priority >> _LOW_BITS,
+        tracking_id,
+        priority & _SEQ_MASK,
+    )
+    return row, token, visible_at
 
 
 class SlaQueue:
@@ -231,6 +306,11 @@ class SlaQueue:
         self._dedup: dict[int, Entry | list[Entry]] = {}
         self._in_flight: dict[str, InFlight] = {}
         self._expiry: list[tuple[float, str]] = []  # heap of (visible_at, token)
+        self._kind_rows: list[bytes] = []  # kind -> its part of a row value
+        self._kind_by_row: dict[bytes, int] = {}  # the same, back (loading rows)
+        self._journal: dict[bytes, bytes | None] | None = None  # RowJournal.rows
+        self._owner: RowJournal | None = None
+        self._table = b""  # the row keys' queue part
 
     def __len__(self) -> int:
         """Pending notifications (not in flight)."""
@@ -275,6 +355,10 @@ class SlaQueue:
         if kind is None:
             kind = self._kind_of[probe] = len(self._kinds)
             self._kinds.append(probe)
+            t, a = utf8(dto_type), utf8(alias)
+            self._kind_rows.append(
+                b"".join((_SMALL[int(is_parent)], pack_n(len(t)), t, pack_n(len(a)), a))
+            )
         return kind
 
     def _group(self, p: bytes) -> int:
@@ -342,6 +426,8 @@ class SlaQueue:
             self._dedup[h] = [found, e]
         else:
             found.append(e)
+        if self._journal is not None:
+            self._journal[self._table + e[:KEY_BYTES]] = self._pending_row(e)
 
     def _unlink(self, e: Entry, group: int, h: int) -> None:
         self._all.remove(e)
@@ -362,6 +448,8 @@ class SlaQueue:
             found.remove(e)
             if len(found) == 1:
                 self._dedup[h] = found[0]
+        if self._journal is not None:
+            self._journal[self._table + e[:KEY_BYTES]] = None
 
     def _add(
         self, priority: int, kind: int, dto_id: bytes, p: bytes, tracking: bytes
@@ -428,6 +516,9 @@ class SlaQueue:
             self._dedup[h] = new
         else:
             found[found.index(e)] = new
+        if self._journal is not None:
+            self._journal[self._table + e[:KEY_BYTES]] = None
+            self._journal[self._table + new[:KEY_BYTES]] = self._pending_row(new)
         return new
 
     # -- dequeue ------------------------------------------------------------------
@@ -496,8 +587,15 @@ class SlaQueue:
         return records
 
     def _hold(self, record: Record, visible_at: float) -> None:
-        self._in_flight[record.token] = InFlight(record, visible_at)
+        held = self._in_flight[record.token] = InFlight(record, visible_at)
         heapq.heappush(self._expiry, (visible_at, record.token))
+        if self._journal is not None:
+            self._journal[self._table + priority_key(record.priority)] = self._held_row(held)
+
+    def _gone(self, record: Record) -> None:
+        """An in-flight record's row is gone (acknowledged or merged)."""
+        if self._journal is not None:
+            self._journal[self._table + priority_key(record.priority)] = None
 
     # -- acknowledge and redelivery -------------------------------------------------
 
@@ -505,7 +603,9 @@ class SlaQueue:
         """Remove the notifications of these tokens; unknown ones are ignored."""
         done = 0
         for token in tokens:
-            if self._in_flight.pop(token, None) is not None:
+            held = self._in_flight.pop(token, None)
+            if held is not None:
+                self._gone(held.record)
                 done += 1
         return done
 
@@ -517,6 +617,9 @@ class SlaQueue:
         if visible_at > held.visible_at:
             held.visible_at = visible_at
             heapq.heappush(self._expiry, (visible_at, token))
+            if self._journal is not None:
+                key = self._table + priority_key(held.record.priority)
+                self._journal[key] = self._held_row(held)
         return True
 
     def release(self, tokens: list[str]) -> int:
@@ -560,6 +663,7 @@ class SlaQueue:
             if existing is not None:  # a newer copy is pending: keep the more urgent SLA
                 if record.sla_us < key_priority(existing) >> _LOW_BITS:
                     self._reprioritize(existing, record.sla_us, record.tracking_id)
+                self._gone(record)
                 return
         self._add(record.priority, kind, raw, p, utf8(record.tracking_id))
 
@@ -588,7 +692,9 @@ class SlaQueue:
         )
 
     def export_state(self) -> dict[str, Any]:
-        """Plain data: the records with their seq, and the in-flight tokens."""
+        """Plain data: the records with their seq, pending in queue order, and
+        the in-flight ones with their tokens, in queue order too (as rows read
+        back, whatever order they were taken in)."""
 
         def row(r: Record) -> ExportRow:
             return (
@@ -605,7 +711,10 @@ class SlaQueue:
             "depth": self.depth,
             "seq": self._seq,
             "pending": [self._row(e) for e in self._all],
-            "in_flight": [(t, h.visible_at, *row(h.record)) for t, h in self._in_flight.items()],
+            "in_flight": [
+                (t, h.visible_at, *row(h.record))
+                for t, h in sorted(self._in_flight.items(), key=_by_priority)
+            ],
         }
 
     @classmethod
@@ -637,3 +746,152 @@ class SlaQueue:
         r = Record(kind[0], dto_id, is_parent, kind[1], sla_us, tracking_id)
         r.priority = priority_of(sla_us, dto_id.count("/") + 1, seq)
         return r
+
+    # -- rows of the `cqs` table (the layout: state.py's docstring) -----------------
+
+    def _pending_row(self, e: Entry) -> bytes:
+        kind, group, count_at, _, rest = _parse(e)
+        return b"".join(
+            (
+                self._kind_rows[kind],
+                e[count_at:rest],  # the tracking id with its length
+                b"\x00",  # no token
+                self._prefixes[group],
+                e[rest:],
+            )
+        )
+
+    def _held_row(self, held: InFlight) -> bytes:
+        r = held.record
+        tracking, token = utf8(r.tracking_id), utf8(r.token)
+        return b"".join(
+            (
+                self._kind_rows[self._kind(r.dto_type, r.alias, r.is_parent)],
+                pack_n(len(tracking)),
+                tracking,
+                pack_n(len(token)),
+                token,
+                _whole_ms(held.visible_at).to_bytes(8, "big", signed=True),
+                utf8(r.dto_id),
+            )
+        )
+
+    def rows(self) -> Iterator[tuple[bytes, bytes]]:
+        """Every row of this queue (key after the queue's part, value): pending
+        in queue order, then in flight."""
+        for e in self._all:
+            yield e[:KEY_BYTES], self._pending_row(e)
+        for held in self._in_flight.values():
+            yield priority_key(held.record.priority), self._held_row(held)
+
+    def row_keys(self) -> Iterator[bytes]:
+        """The keys of `rows()`."""
+        for e in self._all:
+            yield e[:KEY_BYTES]
+        for held in self._in_flight.values():
+            yield priority_key(held.record.priority)
+
+    def keep_rows(self, journal: RowJournal, table_id: int) -> None:
+        """From now on, write every changed row of this queue into `journal`,
+        under keys starting with `table_key(table_id)`."""
+        self._owner = journal
+        self._journal = journal.rows
+        self._table = table_key(table_id)
+
+    def journal_swapped(self) -> None:
+        """The journal's dict was taken: write into its new one."""
+        assert self._owner is not None
+        self._journal = self._owner.rows
+
+    def export_sections(self) -> dict[str, Any]:
+        """`export_state` without the notifications (they are rows)."""
+        return {"depth": self.depth, "seq": self._seq, "pending": [], "in_flight": []}
+
+    def load_rows(self, rows: Iterable[tuple[bytes, bytes]]) -> None:
+        """Add the notifications of this queue's rows (keys after the queue's
+        part), as the queue wrote them, in key order (a restart's cursor walk);
+        nothing is journaled. The sorted lists are built once at the end, from
+        lists already in order."""
+        pending: list[Entry] = []
+        by_group: dict[int, list[Entry]] = {}
+        try:
+            for key, value in rows:
+                if len(key) != KEY_BYTES:
+                    raise DamagedRow(f"a cqs row key of {len(key)} bytes, not {KEY_BYTES}")
+                e, group = self._load_row(key, value)
+                if e is not None:
+                    pending.append(e)
+                    members = by_group.get(group)
+                    if members is None:
+                        members = by_group[group] = []
+                    members.append(e)
+        except (IndexError, UnicodeDecodeError) as e:
+            raise DamagedRow(f"a cqs row does not parse: {e!r}") from e
+        self._all.update(pending)
+        for group, members in by_group.items():
+            lst = self._lists[group]
+            assert lst is not None
+            lst.update(members)
+
+    def _load_row(self, key: bytes, value: bytes) -> tuple[Entry | None, int]:
+        """One row: its entry and group if pending (for the caller to put in
+        the sorted lists), else (None, 0) and the record is held."""
+        n = value[1]
+        if n < _ESCAPE and value[2 + n] < _ESCAPE:  # short type and alias
+            at = 3 + n + value[2 + n]
+        else:
+            n, at = unpack_n(value, 1)
+            n, at = unpack_n(value, at + n)
+            at += n
+        head = value[:at]
+        kind = self._kind_by_row.get(head)
+        if kind is None:
+            if value[0] > 1:
+                raise DamagedRow(f"a cqs row has flags {value[0]}")
+            n, t_at = unpack_n(head, 1)
+            dto_type = text(head[t_at : t_at + n])
+            n, a_at = unpack_n(head, t_at + n)
+            kind = self._kind(dto_type, text(head[a_at : a_at + n]), bool(head[0]))
+            self._kind_by_row[head] = kind
+        count_at = at
+        n, start = unpack_n(value, at)
+        end = start + n
+        n, at = unpack_n(value, end)
+        if at + n + (8 if n else 0) > len(value):
+            raise DamagedRow("a cqs row is shorter than its lengths")
+        if n:
+            dto_type, alias, is_parent = self._kinds[kind]
+            r = _new_record(Record)
+            r.dto_type, r.alias, r.is_parent = dto_type, alias, is_parent
+            r.token = text(value[at : at + n])
+            at += n
+            visible_at = int.from_bytes(value[at : at + 8], "big", signed=True)
+            r.dto_id = text(value[at + 8 :])
+            r.tracking_id = text(value[start:end])
+            r.priority = key_priority(key)
+            self._hold(r, visible_at)
+            return None, 0
+        raw = value[at:]
+        p = _prefix_b(raw, self.depth)
+        group = self._group_of.get(p)
+        if group is None:
+            group = self._group(p)
+        rest = raw[len(p) :]
+        e = b"".join(
+            (
+                key,
+                _SMALL[kind] if kind < _ESCAPE else pack_n(kind),
+                pack_n(group),
+                value[count_at:end],
+                rest,
+            )
+        )
+        h = _ident_hash(kind, group, rest)
+        found = self._dedup.get(h)
+        if found is None:
+            self._dedup[h] = e
+        else:
+            if self._find(h, kind, group, rest) is not None:
+                raise DamagedRow(f"two pending rows of one notification ({text(raw)!r})")
+            self._dedup[h] = [found, e] if isinstance(found, bytes) else [*found, e]
+        return e, group
