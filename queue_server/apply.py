@@ -179,6 +179,13 @@ class StateMachine:
         for owner in self._table_owners():
             owner.keep_rows()
 
+    @property
+    def pending_bytes(self) -> int:
+        """About the bytes held in memory for the next checkpoint: the store's
+        key revisions and the CQS rows journaled (a load of notifications moves
+        no revision)."""
+        return self.store.pending_bytes + self.cqs.pending_row_bytes
+
     def _table_owners(self) -> list[TableOwner]:
         return [self.cqs, self.queues]
 

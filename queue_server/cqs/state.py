@@ -112,6 +112,10 @@ DEFAULT_PREFETCH = 8
 """Notifications one etcd watch consumer may hold when the `cqs` object does
 not say."""
 
+JOURNALED_ROW_BYTES = 200
+"""What one journaled row holds in memory until a checkpoint takes it, about
+(bench ids: its 17-byte key's object, its value's, the dict's slot)."""
+
 
 class QueueNotFound(EtcdError):
     code = "NOT_FOUND"
@@ -637,6 +641,12 @@ class CqsState:
         current = journal.rows
         for key, row in rows.items():
             current.setdefault(key, row)
+
+    @property
+    def pending_row_bytes(self) -> int:
+        """About the memory the journal holds until a checkpoint takes it."""
+        journal = self._journal
+        return 0 if journal is None else len(journal.rows) * JOURNALED_ROW_BYTES
 
     def _give_table(self, q: CqsQueue, *, write: bool) -> None:
         """Give `q` its table id (if it has none) and, when rows are kept,

@@ -10,6 +10,7 @@ notifications.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from pathlib import Path
@@ -18,11 +19,12 @@ import pytest
 
 from etcdserverpb import cqs_pb2, internal_pb2, rpc_pb2
 from queue_server.apply import ApplyResult, Checkpoint, StateMachine, sections_with_tables
-from queue_server.cqs.state import CqsState
+from queue_server.cqs.state import JOURNALED_ROW_BYTES, CqsState
 from queue_server.cqs.tree import KEY_BYTES, DamagedRow, key_priority
 from queue_server.errors import EtcdError
-from queue_server.storage import snapshot
+from queue_server.storage import local_log, snapshot
 from queue_server.storage.backend import Backend, CommitBatch
+from tests.support.local_logs import open_log, propose_all, put, settled
 
 pytestmark = pytest.mark.unit
 
@@ -432,3 +434,29 @@ def test_damaged_rows_refuse_the_restore(tmp_path: Path) -> None:
     body = [(k, v) for k, v in rows if len(k) > 4]
     with pytest.raises(DamagedRow):
         restore([(header, dict(rows)[header]), (body[0][0], body[0][1][:3])])
+
+
+def test_journaled_rows_start_a_checkpoint_before_the_entries_would(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load of notifications moves no key revision, and a ReEnqueue entry
+    carries a thousand of them: the journal's size starts checkpoints too, so
+    it stays bounded."""
+    monkeypatch.setattr(local_log, "CHECKPOINT_BYTES", 100 * JOURNALED_ROW_BYTES)
+
+    async def load() -> None:
+        sm, log, _ = open_log(tmp_path, snapshot_count=10**6)
+        await propose_all(log, [put(b"/q/esl/config", config((DTO, "")))])
+        for i in range(0, 1000, 50):
+            notes = [note(f"{store(j % 3)}/esls/{j}", j % 60) for j in range(i, i + 50)]
+            await propose_all(log, [put(f"/q/dto:{DTO}/p/k".encode(), n) for n in notes])
+            await settled(log)
+            assert sm.pending_bytes <= 150 * JOURNALED_ROW_BYTES
+        assert log.checkpoints >= 6  # 1,001 entries: none would have started by entries
+        expected = sm.export_state()
+        await log.close()
+        again, log, _ = open_log(tmp_path)
+        assert again.export_state() == expected
+        await log.close()
+
+    asyncio.run(load())
