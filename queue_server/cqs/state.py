@@ -112,9 +112,10 @@ DEFAULT_PREFETCH = 8
 """Notifications one etcd watch consumer may hold when the `cqs` object does
 not say."""
 
-JOURNALED_ROW_BYTES = 200
-"""What one journaled row holds in memory until a checkpoint takes it, about
-(bench ids: its 17-byte key's object, its value's, the dict's slot)."""
+JOURNALED_ROW_BYTES = 360
+"""The memory one journaled row takes until its checkpoint has committed,
+about (measured with bench ids: its key's and its value's objects and the
+journal's slot, ~200 B, and its share of the LMDB write transaction's pages)."""
 
 
 class QueueNotFound(EtcdError):
