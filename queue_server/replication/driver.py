@@ -139,6 +139,7 @@ class ClusterLog:
         *,
         keep_alive: Callable[[int], int],
         writer: Executor | None = None,
+        backend_executor: Executor | None = None,
         heartbeat_seconds: float = HEARTBEAT_SECONDS,
         election_ticks: int = ELECTION_TICKS,
         snapshot_count: int = 100_000,
@@ -148,7 +149,9 @@ class ClusterLog:
     ) -> None:
         """`storage` is the member's raft storage (`RaftStorage`, or a simulated
         disk in tests); its blocking writes run on `writer` (one thread by
-        default). `keep_alive(lease_id) -> ttl` refreshes a lease on this
+        default), and the backend's commits and snapshot streams on
+        `backend_executor` (one thread by default; the member simulation runs
+        both in virtual time). `keep_alive(lease_id) -> ttl` refreshes a lease on this
         member's clock: the leader answers followers' forwarded keepalives with
         it. The tick is `heartbeat_seconds` and an election takes
         `election_ticks` ticks (etcd's --heartbeat-interval and
@@ -185,7 +188,9 @@ class ClusterLog:
         simulation). With a backend, a snapshot is a checkpoint, and the file a
         follower is sent is written from its read transaction on the backend
         thread, while the loop goes on."""
-        self._backend_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="backend")
+        self._backend_thread = backend_executor or ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="backend"
+        )
         self._snapshotting: asyncio.Task[None] | None = None
         self._ticker: asyncio.Task[None] | None = None
         self._cycle: asyncio.Task[None] | None = None
