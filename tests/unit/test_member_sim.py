@@ -5,15 +5,23 @@ symmetric and one-way partitions), disk (crashes before, after or in the middle
 of a write) and clock (virtual time), with clients whose histories must be
 linearizable and members that must agree.
 
-Scale: CI runs MEMBER_SIM_CI_SEEDS seeds (default 16) of 300 operations. The
-nightly size is `MEMBER_SIM_SEEDS=500 pytest tests/unit/test_member_sim.py -k
-nightly` (MEMBER_SIM_OPS operations each, default 600). A failure names its seed;
-rerun one with `python -c 'from tests.support.member_sim import run; print(run(SEED,
-OPS))'`: the same seed gives the same run, event for event.
+Each run goes twice: with the state machines in memory, and on the server's
+LMDB backend (`SimConfig.backend`: a real `Backend` per member, snapshots as
+checkpoints streamed on a simulated backend thread, restarts from the backend,
+Defragment swapping the file).
+
+Scale: CI runs MEMBER_SIM_CI_SEEDS seeds (default 16) of 300 operations, in
+each storage. The nightly size is `MEMBER_SIM_SEEDS=500 pytest
+tests/unit/test_member_sim.py -k nightly` (MEMBER_SIM_OPS operations each,
+default 600). A failure names its seed and storage; rerun one with `python -c
+'from tests.support.member_sim import run, config_for; print(run(SEED, OPS,
+config_for(SEED, backend=True)))'`: the same seed gives the same run, event for
+event.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -27,21 +35,29 @@ CI_SEEDS = int(os.environ.get("MEMBER_SIM_CI_SEEDS", "16"))
 CI_OPS = 300
 NIGHTLY_SEEDS = int(os.environ.get("MEMBER_SIM_SEEDS", "0"))
 NIGHTLY_OPS = int(os.environ.get("MEMBER_SIM_OPS", "600"))
+STORAGES = ["memory", "backend"]
+"""Where the members keep their state (`SimConfig.backend`)."""
+
+
+def on(storage: str, config: SimConfig) -> SimConfig:
+    return dataclasses.replace(config, backend=storage == "backend")
 
 
 def explain(report: SimReport) -> str:
     return "\n".join([*report.violations, "last events:", *report.trace_tail])
 
 
+@pytest.mark.parametrize("storage", STORAGES)
 @pytest.mark.parametrize("seed", range(CI_SEEDS), ids=lambda s: f"seed_{s}")
-def test_members_stay_safe_and_linearizable_under_faults(seed: int) -> None:
-    report = run(seed, CI_OPS)
+def test_members_stay_safe_and_linearizable_under_faults(seed: int, storage: str) -> None:
+    report = run(seed, CI_OPS, on(storage, config_for(seed)))
     assert not report.violations, explain(report)
     assert report.writes_ok > 0 and report.reads_ok > 0
 
 
-def test_the_runs_exercise_the_interesting_paths() -> None:
-    reports = [run(seed, 200) for seed in range(8)]
+@pytest.mark.parametrize("storage", STORAGES)
+def test_the_runs_exercise_the_interesting_paths(storage: str) -> None:
+    reports = [run(seed, 200, on(storage, config_for(seed))) for seed in range(8)]
 
     def total(attr: str) -> int:
         return sum(getattr(r, attr) for r in reports)
@@ -51,11 +67,17 @@ def test_the_runs_exercise_the_interesting_paths() -> None:
     assert total("snapshots_saved") > 20 and total("snapshots_installed") > 0
     assert total("writes_unknown") > 0 and total("leaders") > len(reports)
     assert {r.members for r in reports} == {3, 5}
+    if storage == "backend":  # snapshots are checkpoints, restarts read them, files swap
+        assert total("backend_commits") >= total("snapshots_saved")
+        assert total("backend_restarts") > 5 and total("defragments") > 5
+    else:
+        assert total("backend_commits") == total("backend_restarts") == 0
 
 
-def test_a_seed_replays_identically() -> None:
-    first = run(6, 200)
-    again = run(6, 200)
+@pytest.mark.parametrize("storage", STORAGES)
+def test_a_seed_replays_identically(storage: str) -> None:
+    first = run(6, 200, on(storage, config_for(6)))
+    again = run(6, 200, on(storage, config_for(6)))
     assert first == again and first.trace_digest and first.state_digest[0] > 0
 
 
@@ -108,6 +130,7 @@ def test_a_snapshot_taken_during_a_write_keeps_the_written_entries(seed: int) ->
     reason="nightly size: MEMBER_SIM_SEEDS=500 pytest tests/unit/test_member_sim.py -k nightly",
 )
 @pytest.mark.parametrize("seed", range(NIGHTLY_SEEDS or 1), ids=lambda s: f"seed_{s}")
-def test_nightly(seed: int) -> None:
-    report = run(seed, NIGHTLY_OPS, config_for(seed))
+@pytest.mark.parametrize("storage", STORAGES)
+def test_nightly(seed: int, storage: str) -> None:
+    report = run(seed, NIGHTLY_OPS, on(storage, config_for(seed)))
     assert not report.violations, explain(report)
