@@ -192,6 +192,9 @@ class ClusterLog:
             max_workers=1, thread_name_prefix="backend"
         )
         self._snapshotting: asyncio.Task[None] | None = None
+        self._snapshot_asked: asyncio.Future[bool] | None = None
+        """`snapshot_now` during a Ready: the snapshot is taken at its `advance`
+        (True), or the cycle ended without one (False: the caller takes it)."""
         self._ticker: asyncio.Task[None] | None = None
         self._cycle: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -496,15 +499,28 @@ class ClusterLog:
             raise RequestTimeout() from None
 
     async def snapshot_now(self) -> None:
-        """Take a snapshot at the applied index (Defragment, tests)."""
+        """Take a snapshot at the applied index (Defragment, tests).
+
+        Not in the middle of a Ready: its committed entries are applied to the
+        state machine before its write ends, and the core counts them (and their
+        membership changes) applied only at its `advance`, so a snapshot there
+        would name the wrong voters and could not be compacted to. It is taken
+        at that `advance` instead, or once the cycle has ended."""
+        loop = asyncio.get_running_loop()
         if self._snapshotting is not None:
             await asyncio.wait([self._snapshotting])
-        applied = self.state_machine.applied_index
-        if applied > self._snapshot_index and self.core is not None:
-            self._snapshot(applied)
-            if self._snapshotting is not None:
-                await asyncio.wait([self._snapshotting])
-            await asyncio.get_running_loop().run_in_executor(self._writer, lambda: None)
+        while self._busy and not self._closed:
+            if self._snapshot_asked is None:
+                self._snapshot_asked = loop.create_future()
+            if await asyncio.shield(self._snapshot_asked):
+                break
+        else:
+            applied = self.state_machine.applied_index
+            if applied > self._snapshot_index and self.core is not None:
+                self._snapshot(applied)
+        if self._snapshotting is not None:
+            await asyncio.wait([self._snapshotting])
+        await loop.run_in_executor(self._writer, lambda: None)
 
     # -- whole-state operations (api.maintenance.StateFiles) ---------------------------
 
@@ -715,6 +731,9 @@ class ClusterLog:
                 self.applier.on_fatal(failure)
         finally:
             self._busy = False
+            asked, self._snapshot_asked = self._snapshot_asked, None
+            if asked is not None and not asked.done():
+                asked.set_result(False)
 
     def _stop_cycle(self) -> None:
         """Nothing more is written or applied; waiting proposals fail."""
@@ -826,8 +845,13 @@ class ClusterLog:
             log.info("raft leader member=%x term=%d", leader, core.term)
             if self.on_leader_change is not None:
                 self.on_leader_change(leader)
-        if applied - self._snapshot_index >= self.snapshot_count:
+        asked, self._snapshot_asked = self._snapshot_asked, None
+        if applied - self._snapshot_index >= self.snapshot_count or (
+            asked is not None and applied > self._snapshot_index
+        ):
             self._snapshot(applied)
+        if asked is not None and not asked.done():
+            asked.set_result(True)
 
     def _snapshot(self, index: int) -> None:
         """Snapshot the state at applied `index`: the core drops its log up to it,
