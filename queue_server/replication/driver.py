@@ -241,7 +241,11 @@ class ClusterLog:
             )
         else:
             entries = [Entry(e.term, e.index, EntryKind(e.kind), e.data) for e in loaded.entries]
-            hs = HardState(loaded.term, loaded.vote, loaded.commit)
+            # The commit index is written only with a Ready that must sync, so
+            # it may lag what the backend applied (a checkpoint committed, then
+            # a crash before the WAL restart wrote the hard state after it).
+            # Whatever was applied was committed and is in the log.
+            hs = HardState(loaded.term, loaded.vote, max(loaded.commit, sm.applied_index))
             self.core = RaftCore.restore(
                 self.member_id,
                 hs,
