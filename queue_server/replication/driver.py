@@ -53,7 +53,7 @@ import shutil
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
-from typing import IO
+from typing import IO, Any, TypeVar
 
 import lmdb
 from google.protobuf import empty_pb2
@@ -121,6 +121,8 @@ transport streams to a follower and a follower's transport writes to a file as
 it arrives, so no side holds a whole snapshot in memory."""
 KEEP_RESULTS = 4096
 """Applied results kept for forwarded proposals whose answer arrives late."""
+
+_T = TypeVar("_T")
 
 _NO_RESULT = empty_pb2.Empty()
 """What a leader's empty entry or a membership change applies to."""
@@ -191,6 +193,11 @@ class ClusterLog:
         self._backend_thread = backend_executor or ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="backend"
         )
+        self._backend_jobs = 0
+        """Jobs handed to the backend thread and not yet back (`_on_backend`):
+        Defragment swaps its copy in only if the copy was the one."""
+        self._defragmenting = asyncio.Lock()
+        """One Defragment at a time: the copies share their directory."""
         self._snapshotting: asyncio.Task[None] | None = None
         self._snapshot_asked: asyncio.Future[bool] | None = None
         """`snapshot_now` during a Ready: the snapshot is taken at its `advance`
@@ -537,15 +544,26 @@ class ClusterLog:
         backend = self.backend
         if backend is None:
             return
-        before = self._committed_index()
-        copy = backend.path + ".defrag"
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._backend_thread, backend.copy_compacted, copy)
-        if self._committed_index() != before or self._snapshotting is not None:
-            shutil.rmtree(copy, ignore_errors=True)
-            log.info("defragment skipped: a checkpoint committed during the copy")
-            return
-        backend.swap_in(copy)
+        async with self._defragmenting:
+            before = self._committed_index()
+            copy = backend.path + ".defrag"
+            await self._on_backend(backend.copy_compacted, copy)
+            # Another job on the backend thread (an installed snapshot's
+            # commit) may be running: the file is not closed under it.
+            busy = self._backend_jobs or self._snapshotting is not None
+            if self._committed_index() != before or busy:
+                shutil.rmtree(copy, ignore_errors=True)
+                log.info("defragment skipped: a checkpoint committed during the copy")
+                return
+            backend.swap_in(copy)
+
+    async def _on_backend(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """`fn(*args)` on the backend thread, counted in `_backend_jobs`."""
+        self._backend_jobs += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._backend_thread, fn, *args)
+        finally:
+            self._backend_jobs -= 1
 
     def _committed_index(self) -> int:
         assert self.backend is not None
@@ -935,9 +953,8 @@ class ClusterLog:
                 finally:
                     txn.abort()
 
-            loop = asyncio.get_running_loop()
             try:
-                size = await loop.run_in_executor(self._backend_thread, write)
+                size = await self._on_backend(write)
             except (lmdb.Error, OSError) as e:
                 sm.checkpoint_failed(checkpoint)
                 log.error("raft snapshot failed, will retry index=%d error=%r", index, e)
@@ -1003,9 +1020,7 @@ class ClusterLog:
             # Until this commits, a restart finds the backend behind the
             # snapshot file and restores from the file.
             checkpoint = self.state_machine.checkpoint()
-            await loop.run_in_executor(
-                self._backend_thread, self._commit_checkpoint, checkpoint, False
-            )
+            await self._on_backend(self._commit_checkpoint, checkpoint, False)
             self.backend.renew_reader()
             self.state_machine.checkpoint_done()
         if self.on_restored is not None:
