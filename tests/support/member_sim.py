@@ -21,12 +21,21 @@ seed replays exactly:
   `RaftStorage`): the WAL is a list of segments of records, replayed by
   `RaftStorage.load`'s rules; the writer (`SimWriter`) runs jobs one at a time,
   each taking a simulated fsync;
+- with `SimConfig.backend`, the state machine's backend: a real LMDB `Backend`
+  in a directory of the member's (`SimBackend`), so the driver takes the
+  server's path (a snapshot is a checkpoint whose file is streamed from a read
+  transaction, a restart reads the backend, an install replaces it, Defragment
+  swaps the file); its thread (`SimBackendThread`) runs jobs one at a time in
+  virtual time while the loop goes on;
 - crashes: a crash cancels every task of the member (tasks are owned through a
   context variable the loop's task factory reads), drops its state machine and
   core, and decides what the write in flight left on disk: nothing, all of it,
   or a prefix of its records (the real WAL cuts a torn tail); the jobs queued
-  behind it are lost. A restart builds a new StateMachine, Applier and
-  ClusterLog from the disk alone (`recover()`, then `start()`).
+  behind it are lost. The backend job in flight did nothing, finished, or
+  committed without writing the snapshot file after; the backend keeps every
+  commit (LMDB commits whole) and the environment is closed. A restart builds
+  a new StateMachine, Applier and ClusterLog from the disk (and the backend
+  dir) alone (`recover()`, then `start()`).
 
 Clients put unique values to a few keys and read them linearizably (`propose`,
 then `linearize()` and `read_range`, as `api/kv.py` serves Range) on random

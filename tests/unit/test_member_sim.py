@@ -84,17 +84,23 @@ def test_a_seed_replays_identically(storage: str) -> None:
 # The checks must be able to fail: break the system on purpose and they object.
 
 
-def test_checks_catch_a_disk_that_acknowledges_before_it_is_durable() -> None:
+@pytest.mark.parametrize("storage", STORAGES)
+def test_checks_catch_a_disk_that_acknowledges_before_it_is_durable(storage: str) -> None:
     """A write cache that ignores fsync: members forget what they acknowledged."""
     config = SimConfig(
         disk=DiskFaults(volatile_seconds=1.0),
         fault_weights={"crash": 0.5, "restart": 0.2, "heal": 0.1, "partition": 0.2},
     )
-    found = [v for seed in range(6) for v in run(seed, 300, config).violations]
+    # On the backend two seeds show it, in a fifth of the time of six.
+    seeds = range(6) if storage == "memory" else (3, 5)
+    found = [v for seed in seeds for v in run(seed, 300, on(storage, config)).violations]
     assert any("state machine safety" in v or "election safety" in v for v in found), found
 
 
-def test_checks_catch_reads_without_a_read_index(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("storage", STORAGES)
+def test_checks_catch_reads_without_a_read_index(
+    monkeypatch: pytest.MonkeyPatch, storage: str
+) -> None:
     """Reads served from local state at once (serializable) are stale on a
     lagging member: the linearizability check must see it."""
 
@@ -102,7 +108,9 @@ def test_checks_catch_reads_without_a_read_index(monkeypatch: pytest.MonkeyPatch
         return None
 
     monkeypatch.setattr(ClusterLog, "linearize", no_round)
-    found = [v for seed in range(4) for v in run(seed, 300).violations]
+    found = [
+        v for seed in range(4) for v in run(seed, 300, on(storage, config_for(seed))).violations
+    ]
     assert any("linearizability" in v for v in found), found
 
 
