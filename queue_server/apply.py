@@ -24,6 +24,7 @@ from google.protobuf.message import Message
 from etcdserverpb import internal_pb2, rpc_pb2
 from queue_server.alarms import AlarmTable
 from queue_server.auth.store import AuthStore
+from queue_server.cqs import state as cqs_state
 from queue_server.cqs.state import CqsState
 from queue_server.errors import EtcdError, NoSpace, ServerStopped
 from queue_server.keyspace.router import KeyspaceRouter
@@ -177,6 +178,13 @@ class StateMachine:
         self._use_store(MVCCStore(backend))
         for owner in self._table_owners():
             owner.keep_rows()
+
+    @property
+    def pending_bytes(self) -> int:
+        """About the bytes held in memory for the next checkpoint: the store's
+        key revisions and the CQS rows journaled (a load of notifications moves
+        no revision)."""
+        return self.store.pending_bytes + self.cqs.pending_row_bytes
 
     def _table_owners(self) -> list[TableOwner]:
         return [self.cqs, self.queues]
@@ -390,7 +398,11 @@ def sections_with_tables(
     `tables` folded back in: `export_sections(full=True)` as it was at that
     checkpoint, what a snapshot of the whole state holds. Pure data, so a thread
     with a read transaction can make it."""
-    return dict(sections, queues=sections_with_rows(sections["queues"], tables("mq")))
+    return dict(
+        sections,
+        queues=sections_with_rows(sections["queues"], tables("mq")),
+        cqs=cqs_state.sections_with_rows(sections["cqs"], tables("cqs")),
+    )
 
 
 def _needs_space(kind: str | None, command: internal_pb2.Command, router: KeyspaceRouter) -> bool:

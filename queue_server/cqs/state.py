@@ -24,6 +24,53 @@ long-polls and etcd watch view.
 it claims the queues whose config has a `cqs` object and the publication
 points `dto:{type}`; a single-key delete of a delivery key `/q/{queue}/{seq}/
 {token}` acknowledges it inside apply (in a Txn too).
+
+The `cqs` table (on a backend: apply.TableOwner)
+------------------------------------------------
+On a backend the notifications are rows of the backend's `t:cqs` table, and a
+checkpoint's sections hold only each queue's config and counters (name,
+subscriptions, prefetch, depth, seq: `export_sections`), whatever the queue
+holds. Each queue gets a table id (u32, from a counter, never reused while
+the process runs) when it is made; its rows are
+
+| key | value |
+|---|---|
+| table id (4 bytes BE) | the queue's name (UTF-8): its header row, first of its rows |
+| table id, `priority + 2**103` (13 bytes BE) | one notification (below) |
+
+so the keys sort by queue, then in the queue's order (`priority = sla_us << 40
+| (63 - segments) << 34 | seq`, unique in a queue: seq is), and a restart's
+load is one cursor walk in priority order. Ids, not names, lead the keys: a
+key stays 17 bytes (LMDB keys stop at 511) and a queue deleted and made again
+under its name never meets its old rows.
+
+A notification row's value is a packed struct (`n`: one byte below 255, else
+255 and four bytes BE; strings UTF-8 with surrogatepass):
+
+    flags (1 byte: bit 0 is_parent), n + dto_type, n + alias
+    n + tracking_id
+    n + token, and if the token is not empty: visible_at (i64 BE, Unix ms)
+    dto_id, to the end
+
+`sla_us` and `seq` are in the key. Not pb.Notification: every change writes its
+row's bytes into the journal while it is applied (so a checkpoint takes the
+journal in O(1), below), so a row must cost a few byte joins from the entry
+the tree already holds (its first part is cached per kind), not a message
+built per change; a restart reads a row back with slices, no message objects.
+
+The journal (`RowJournal`, shared by the queues): row key -> the row's bytes
+as they are now, or None (gone). Every change to a notification writes its
+row when it happens: publish, direct enqueue and ReEnqueue (a merge into a
+pending copy with a sooner SLA moves the row to its new key), dequeue into
+flight, ack, release, visibility expiry, extension; a queue made writes its
+header, a queue deleted writes None for its header and every row (its size,
+once). `take_rows` hands the journal's dict itself to the checkpoint and starts
+a new one; `return_rows` puts a failed checkpoint's rows back under any newer
+ones. `restore_state(state, rows)` rebuilds the queues from the sections and
+the table; from an `export_state` (rows None: a snapshot file, a member's Raft
+snapshot, a data dir converted) every row is journaled, and so are the old
+queues' deletions. `sections_with_rows` folds the rows back into the sections
+(pure data, on a thread) for a snapshot of the whole state.
 """
 
 from __future__ import annotations
@@ -39,7 +86,17 @@ from google.protobuf import json_format, timestamp_pb2
 from google.protobuf.message import DecodeError
 
 from etcdserverpb import cqs_pb2, internal_pb2
-from queue_server.cqs.tree import DEFAULT_DEPTH, Record, SlaQueue
+from queue_server.cqs.tree import (
+    DEFAULT_DEPTH,
+    DamagedRow,
+    Record,
+    RowJournal,
+    SlaQueue,
+    decode_row,
+    table_key,
+    text,
+    utf8,
+)
 from queue_server.errors import EtcdError
 from queue_server.keyspace import grammar as keys
 from queue_server.keyspace.config import ConfigFields, QueueConfig
@@ -54,6 +111,10 @@ MAX_DEPTH = 32
 DEFAULT_PREFETCH = 8
 """Notifications one etcd watch consumer may hold when the `cqs` object does
 not say."""
+
+JOURNALED_ROW_BYTES = 200
+"""What one journaled row holds in memory until a checkpoint takes it, about
+(bench ids: its 17-byte key's object, its value's, the dict's slot)."""
 
 
 class QueueNotFound(EtcdError):
@@ -91,6 +152,7 @@ class CqsQueue:
     subscriptions: list[tuple[str, str]]
     tree: SlaQueue
     prefetch: int = DEFAULT_PREFETCH  # for etcd watch consumers
+    table_id: int = 0  # its rows' key prefix in the `cqs` table (0: none yet)
 
     @property
     def depth(self) -> int:
@@ -290,6 +352,8 @@ class CqsState:
     _checked: dict[tuple[str | None, bytes], Published] = field(default_factory=dict)
     _changed_names: set[str] = field(default_factory=set)
     _reindexed_names: frozenset[bytes] = frozenset()  # the queue names, as key bytes
+    _journal: RowJournal | None = None  # rows changed since the last checkpoint
+    _next_table_id: int = 1
 
     def _changed(self, name: str) -> None:
         self._changed_names.add(name)
@@ -322,13 +386,16 @@ class CqsState:
         key = keys.config_key(qk.spelling, qk.name)
         parsed = None if config is None else parse_cqs_config(ConfigFields(key, config, False))
         if parsed is None:
-            if self.queues.pop(name, None) is not None:
+            gone = self.queues.pop(name, None)
+            if gone is not None:
+                self._drop_rows(gone)
                 self._reindex()
             return
         subs, depth, prefetch = parsed
         q = self.queues.get(name)
         if q is None:
             q = self.queues[name] = CqsQueue(name, subs, SlaQueue(depth=depth))
+            self._give_table(q, write=True)
         q.subscriptions = subs
         q.prefetch = prefetch
         self._reindex()
@@ -406,14 +473,7 @@ class CqsState:
         return reached
 
     def _add(self, q: CqsQueue, p: Published) -> None:
-        q.tree.enqueue(
-            p.dto_type,
-            p.dto_id,
-            p.sla_us,
-            is_parent=p.is_parent,
-            alias=p.alias,
-            tracking_id=p.tracking_id,
-        )
+        q.tree.insert(p.dto_type, p.dto_id, p.sla_us, p.is_parent, p.alias, p.tracking_id)
         self._changed(q.name)
 
     # -- log commands -------------------------------------------------------------
@@ -454,13 +514,13 @@ class CqsState:
         sla, tracking = original.sla_us, original.tracking_id
         for item in c.items:
             urn = item.WhichOneof("urn")
-            q.tree.enqueue(
+            q.tree.insert(
                 item.dto_type,
                 getattr(item, urn or "dto_id"),
                 sla,
-                is_parent=urn == "parent_id",
-                alias=item.alias_name,
-                tracking_id=tracking,
+                urn == "parent_id",
+                item.alias_name,
+                tracking,
             )
         if c.visible_until_ms:
             q.tree.extend(c.original, c.visible_until_ms)
@@ -553,28 +613,187 @@ class CqsState:
     table = "cqs"
 
     def keep_rows(self) -> None:
-        """Rows are not kept in a table yet: the whole state is in the sections."""
+        """From now on every change to a notification writes its row into the
+        journal `take_rows` hands to a checkpoint (see the module docstring)."""
+        if self._journal is not None:
+            return
+        self._journal = RowJournal()
+        for q in self.queues.values():
+            self._give_table(q, write=True)
 
     def take_rows(self) -> dict[bytes, bytes | None]:
-        return {}
+        """The rows changed since the last call, as they are now: the journal
+        itself (O(1): each change wrote its row's bytes when it happened)."""
+        journal = self._journal
+        if journal is None or not journal.rows:
+            return {}
+        rows, journal.rows = journal.rows, {}
+        for q in self.queues.values():
+            q.tree.journal_swapped()
+        return rows
 
     def return_rows(self, rows: dict[bytes, bytes | None]) -> None:
-        return None
+        """A checkpoint failed: its rows are pending again, under any newer
+        change of the same row."""
+        journal = self._journal
+        if journal is None:
+            return
+        current = journal.rows
+        for key, row in rows.items():
+            current.setdefault(key, row)
+
+    @property
+    def pending_row_bytes(self) -> int:
+        """About the memory the journal holds until a checkpoint takes it."""
+        journal = self._journal
+        return 0 if journal is None else len(journal.rows) * JOURNALED_ROW_BYTES
+
+    def _give_table(self, q: CqsQueue, *, write: bool) -> None:
+        """Give `q` its table id (if it has none) and, when rows are kept,
+        attach it to the journal; `write` puts its header row and every row it
+        has into the journal (a new queue, or one not read from the table)."""
+        if not q.table_id:
+            q.table_id = self._next_table_id
+            self._next_table_id += 1
+        journal = self._journal
+        if journal is None:
+            return
+        q.tree.keep_rows(journal, q.table_id)
+        if write:
+            table = table_key(q.table_id)
+            rows = journal.rows
+            rows[table] = utf8(q.name)
+            for key, row in q.tree.rows():
+                rows[table + key] = row
+
+    def _drop_rows(self, q: CqsQueue) -> None:
+        """`q` is gone: so are its rows (the deletion costs its size once)."""
+        journal = self._journal
+        if journal is None or not q.table_id:
+            return
+        table = table_key(q.table_id)
+        rows = journal.rows
+        rows[table] = None
+        for key in q.tree.row_keys():
+            rows[table + key] = None
 
     def export_sections(self) -> list[Any]:
-        """What a checkpoint's sections image holds of this part (the rest is in
-        its table's rows)."""
-        return self.export_state()
+        """What a checkpoint's sections image holds of this part: each queue's
+        config and counters, no notification (those are the table's rows), so
+        its size does not grow with the queues'."""
+        if self._journal is None:
+            return self.export_state()
+        return [
+            {
+                "name": q.name,
+                "subscriptions": list(q.subscriptions),
+                "prefetch": q.prefetch,
+                "tree": q.tree.export_sections(),
+            }
+            for q in self.queues.values()
+        ]
 
     def restore_state(
         self,
         state: Iterable[dict[str, Any]],
         rows: Iterator[tuple[bytes, bytes]] | None = None,
     ) -> None:
+        """Become `state`: an `export_state` (`rows` None), or an
+        `export_sections` whose notifications are `rows`, the `cqs` table in
+        key order. Notifications found in the sections (a full export, or a
+        backend written before the table was used) are written into the
+        journal when rows are kept, so the next checkpoint moves them there."""
+        journal = self._journal
+        if journal is not None:
+            if rows is None:  # the table may hold the old queues' rows
+                for q in self.queues.values():
+                    self._drop_rows(q)
+            else:  # the table is the state
+                journal.rows = {}
         self.queues = {}
+        in_sections: set[str] = set()
         for s in state:
             subs = [(str(t), str(a)) for t, a in s["subscriptions"]]
+            tree = s["tree"]
             self.queues[s["name"]] = CqsQueue(
-                s["name"], subs, SlaQueue.from_state(s["tree"]), s["prefetch"]
+                s["name"], subs, SlaQueue.from_state(tree), s["prefetch"]
             )
+            if tree["pending"] or tree["in_flight"]:
+                in_sections.add(s["name"])
+        if rows is not None:
+            self._load_rows(rows)
+        for q in self.queues.values():
+            self._give_table(q, write=not q.table_id or q.name in in_sections)
         self._reindex()
+
+    def _load_rows(self, rows: Iterator[tuple[bytes, bytes]]) -> None:
+        """The `cqs` table into the queues the sections named: a header row
+        (the queue's 4-byte key, its name) before each queue's rows."""
+        row = next(rows, None)
+        while row is not None:
+            key, value = row
+            if len(key) != 4:
+                raise DamagedRow(f"a cqs row {key.hex()} of no queue")
+            name = text(value)
+            q = self.queues.get(name)
+            if q is None or q.table_id:
+                raise DamagedRow(
+                    f"the cqs table has rows of queue {name!r}, which the sections "
+                    + ("name twice" if q is not None else "do not have")
+                )
+            q.table_id = int.from_bytes(key, "big")
+            self._next_table_id = max(self._next_table_id, q.table_id + 1)
+            after: list[tuple[bytes, bytes]] = []  # the first row past this queue's
+
+            def mine(
+                table: bytes = key, after: list[tuple[bytes, bytes]] = after
+            ) -> Iterator[tuple[bytes, bytes]]:
+                for k, v in rows:
+                    if not k.startswith(table) or len(k) == 4:
+                        after.append((k, v))
+                        return
+                    yield k[4:], v
+
+            q.tree.load_rows(mine())
+            row = after[0] if after else None
+
+
+def sections_with_rows(
+    sections: list[dict[str, Any]], rows: Iterable[tuple[bytes, bytes]]
+) -> list[dict[str, Any]]:
+    """`CqsState.export_sections` (as a backend's sections hold it) and the
+    `cqs` table's rows, in key order, as `export_state` gives them: what a
+    snapshot of the whole state needs. Pure data, for a thread holding a read
+    transaction."""
+    found: dict[str, tuple[list[Any], list[Any]]] = {}
+    table = b""
+    into: tuple[list[Any], list[Any]] | None = None
+    for key, value in rows:
+        if len(key) == 4:
+            table = key
+            into = found.setdefault(text(value), ([], []))
+        elif into is not None and key.startswith(table):
+            row, token, visible_at = decode_row(key[4:], value)
+            if token:
+                into[1].append((token, visible_at, *row))
+            else:
+                into[0].append(row)
+        else:
+            raise DamagedRow(f"a cqs row {key.hex()} of no queue")
+    out = []  # sections written before the table was used hold their notifications
+    for s in sections:
+        pending, in_flight = found.pop(s["name"], ([], []))
+        tree = s["tree"]
+        out.append(
+            dict(
+                s,
+                tree=dict(
+                    tree,
+                    pending=[*tree["pending"], *pending],
+                    in_flight=[*tree["in_flight"], *in_flight],
+                ),
+            )
+        )
+    if found:
+        raise DamagedRow(f"the cqs table has rows of queues the sections do not: {sorted(found)}")
+    return out

@@ -17,7 +17,7 @@ no reader ever sees a write that a crash could take back.
 
 The applied state lives in the LMDB backend (`storage/backend.py`). Every
 `snapshot_count` applied entries, or once `CHECKPOINT_BYTES` of key revisions
-wait, a checkpoint takes the store's pending revisions and the other sections
+and CQS rows wait, a checkpoint takes the store's pending revisions and the other sections
 (on the loop: the queues, CQS, leases, auth, members and alarms, not the key
 space) and the backend thread writes them in one LMDB transaction with the
 applied index, fsynced. Meanwhile the loop goes on applying and serving: the
@@ -80,9 +80,10 @@ DEFAULT_SNAPSHOT_COUNT = 100_000
 bounds replay time at restart and the log's size on disk."""
 
 CHECKPOINT_BYTES = 64 << 20
-"""Estimated bytes of key revisions waiting in memory past which a checkpoint
-starts before `snapshot_count` entries: bounds the memory a load of large
-values holds between checkpoints (etcd's backend commits every 100 ms or
+"""Estimated bytes of key revisions and journaled CQS rows waiting in memory
+(`StateMachine.pending_bytes`) past which a checkpoint starts before
+`snapshot_count` entries: bounds the memory a load of large values, or of
+notifications (a ReEnqueue entry carries a thousand), holds between checkpoints (etcd's backend commits every 100 ms or
 10,000 writes; ours is bounded by bytes and entries instead, since each
 checkpoint also writes the queue sections)."""
 
@@ -433,7 +434,7 @@ class LocalLog:
         entries = sm.applied_index - self._checkpoint_index
         return (
             entries >= self.snapshot_count
-            or sm.store.pending_bytes >= CHECKPOINT_BYTES
+            or sm.pending_bytes >= CHECKPOINT_BYTES
             or (
                 entries >= CHECKPOINT_SMALL_ENTRIES
                 and self._sections_seconds < CHEAP_SECTIONS_SECONDS

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from queue_server.cqs.tree import SlaQueue
+from queue_server.cqs.tree import RowJournal, SlaQueue
 
 pytestmark = pytest.mark.unit
 
@@ -38,9 +38,12 @@ def test_dedup_merges_pending_keeping_the_more_urgent_sla() -> None:
     q = SlaQueue()
     a = q.enqueue("d", "t/a/s/b/x", 50, tracking_id="late")
     b = q.enqueue("d", "t/a/s/b/x", 20, tracking_id="early")
-    assert a is b and len(q) == 1 and (a.sla_us, a.tracking_id) == (20, "early")
-    q.enqueue("d", "t/a/s/b/x", 90, tracking_id="later")
-    assert (a.sla_us, a.tracking_id) == (20, "early")
+    # enqueue returns the pending record as it is now (a copy: the queue keeps
+    # packed entries, not these objects), equal to the first by identity
+    assert a == b and len(q) == 1 and (b.sla_us, b.tracking_id) == (20, "early")
+    c = q.enqueue("d", "t/a/s/b/x", 90, tracking_id="later")
+    assert (c.sla_us, c.tracking_id) == (20, "early") and q.seq_of(c) == q.seq_of(a)
+    assert [(r.sla_us, r.tracking_id) for r in q.pending()] == [(20, "early")]
     # dto_id and parent_id with the same text, and another alias, are different
     q.enqueue("d", "t/a/s/b/x", 20, is_parent=True)
     q.enqueue("d", "t/a/s/b/x", 20, alias="by_storeesl")
@@ -150,3 +153,59 @@ def test_queue_agrees_with_a_naive_model(operations: list[tuple[object, ...]]) -
         assert [(r.dto_id, r.is_parent, r.sla_us) for r in q.pending()] == [
             (m["id"], m["parent"], m["sla"]) for m in sorted(pending, key=order)
         ]
+
+
+# -- rows (the backend's `cqs` table) ------------------------------------------------
+
+
+def reloaded(q: SlaQueue, rows: dict[bytes, bytes | None]) -> SlaQueue:
+    """A queue rebuilt from `rows` (a journal since the queue was empty), as
+    a restart reads them: in key order, after the queue's 4-byte part."""
+    again = SlaQueue(depth=q.depth)
+    again._seq = q._seq
+    again.load_rows((key[4:], rows[key]) for key in sorted(rows) if rows[key] is not None)  # type: ignore[misc]
+    return again
+
+
+def test_the_journal_holds_every_row_as_it_is_and_reloads_to_the_same_queue() -> None:
+    q = SlaQueue(depth=4)
+    journal = RowJournal()
+    q.keep_rows(journal, table_id=7)
+    long_id = "t/a/s/b/" + "x" * 300  # lengths past one byte
+    for i in range(300):  # kinds and groups past one byte
+        q.enqueue(f"type{i}", f"t/{i}/s/{i % 280}/e/{i}", 1000 + i, tracking_id=f"r{i}")
+    q.enqueue("d", long_id, 5, tracking_id="t" * 300, alias="by_store")
+    q.enqueue("d", "t/ø/s/\ud800/é", 6, is_parent=True)  # not ASCII, a lone surrogate
+    q.enqueue("d", "t/a", 4)  # an id shorter than the depth
+    q.enqueue("type3", "t/3/s/3/e/3", 2, tracking_id="sooner")  # a merge, a new key
+    taken = q.dequeue(3, -1, visible_at=90_000, token_base="tok-" + "k" * 300)
+    assert len(taken) == 3 and len(q.dequeue(2, 0, visible_at=80_000, token_base="b-")) == 1
+    assert q.ack([taken[0].token]) == 1
+    assert q.release([taken[1].token]) == 1
+    assert q.extend(taken[2].token, 95_000)
+    q.enqueue("d", "t/a", 1)  # pending again while a copy of it may be in flight
+    assert all(key.startswith((7).to_bytes(4, "big")) for key in journal.rows)
+    live = {k[4:]: v for k, v in journal.rows.items() if v is not None}
+    assert live == dict(q.rows())
+    assert reloaded(q, journal.rows).export_state() == q.export_state()
+    assert q.in_flight == 2 and len(q) == 300
+
+    # expiry, and rows written since a checkpoint took the journal
+    journal.rows = {}
+    q.journal_swapped()
+    before = dict(q.rows())
+    assert q.expire(now=100_000) == 2
+    changed = journal.rows
+    after = dict(q.rows())
+    assert {k[4:] for k in changed} == set(before) ^ set(after) | {
+        k for k in before.keys() & after.keys() if before[k] != after[k]
+    }
+    merged = {**{(7).to_bytes(4, "big") + k: v for k, v in before.items()}, **changed}
+    assert reloaded(q, merged).export_state() == q.export_state()
+
+
+def test_a_queue_that_does_not_keep_rows_journals_nothing() -> None:
+    q = SlaQueue()
+    q.enqueue("d", "t/a/s/b/x", 1)
+    assert q._journal is None
+    assert list(q.rows())  # its rows can still be listed (a queue made to keep them)
