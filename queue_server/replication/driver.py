@@ -53,7 +53,7 @@ import shutil
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
-from typing import IO
+from typing import IO, Any, TypeVar
 
 import lmdb
 from google.protobuf import empty_pb2
@@ -122,6 +122,8 @@ it arrives, so no side holds a whole snapshot in memory."""
 KEEP_RESULTS = 4096
 """Applied results kept for forwarded proposals whose answer arrives late."""
 
+_T = TypeVar("_T")
+
 _NO_RESULT = empty_pb2.Empty()
 """What a leader's empty entry or a membership change applies to."""
 
@@ -139,6 +141,7 @@ class ClusterLog:
         *,
         keep_alive: Callable[[int], int],
         writer: Executor | None = None,
+        backend_executor: Executor | None = None,
         heartbeat_seconds: float = HEARTBEAT_SECONDS,
         election_ticks: int = ELECTION_TICKS,
         snapshot_count: int = 100_000,
@@ -148,7 +151,9 @@ class ClusterLog:
     ) -> None:
         """`storage` is the member's raft storage (`RaftStorage`, or a simulated
         disk in tests); its blocking writes run on `writer` (one thread by
-        default). `keep_alive(lease_id) -> ttl` refreshes a lease on this
+        default), and the backend's commits and snapshot streams on
+        `backend_executor` (one thread by default; the member simulation runs
+        both in virtual time). `keep_alive(lease_id) -> ttl` refreshes a lease on this
         member's clock: the leader answers followers' forwarded keepalives with
         it. The tick is `heartbeat_seconds` and an election takes
         `election_ticks` ticks (etcd's --heartbeat-interval and
@@ -185,8 +190,18 @@ class ClusterLog:
         simulation). With a backend, a snapshot is a checkpoint, and the file a
         follower is sent is written from its read transaction on the backend
         thread, while the loop goes on."""
-        self._backend_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="backend")
+        self._backend_thread = backend_executor or ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="backend"
+        )
+        self._backend_jobs = 0
+        """Jobs handed to the backend thread and not yet back (`_on_backend`):
+        Defragment swaps its copy in only if the copy was the one."""
+        self._defragmenting = asyncio.Lock()
+        """One Defragment at a time: the copies share their directory."""
         self._snapshotting: asyncio.Task[None] | None = None
+        self._snapshot_asked: asyncio.Future[bool] | None = None
+        """`snapshot_now` during a Ready: the snapshot is taken at its `advance`
+        (True), or the cycle ended without one (False: the caller takes it)."""
         self._ticker: asyncio.Task[None] | None = None
         self._cycle: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -233,7 +248,11 @@ class ClusterLog:
             )
         else:
             entries = [Entry(e.term, e.index, EntryKind(e.kind), e.data) for e in loaded.entries]
-            hs = HardState(loaded.term, loaded.vote, loaded.commit)
+            # The commit index is written only with a Ready that must sync, so
+            # it may lag what the backend applied (a checkpoint committed, then
+            # a crash before the WAL restart wrote the hard state after it).
+            # Whatever was applied was committed and is in the log.
+            hs = HardState(loaded.term, loaded.vote, max(loaded.commit, sm.applied_index))
             self.core = RaftCore.restore(
                 self.member_id,
                 hs,
@@ -491,15 +510,28 @@ class ClusterLog:
             raise RequestTimeout() from None
 
     async def snapshot_now(self) -> None:
-        """Take a snapshot at the applied index (Defragment, tests)."""
+        """Take a snapshot at the applied index (Defragment, tests).
+
+        Not in the middle of a Ready: its committed entries are applied to the
+        state machine before its write ends, and the core counts them (and their
+        membership changes) applied only at its `advance`, so a snapshot there
+        would name the wrong voters and could not be compacted to. It is taken
+        at that `advance` instead, or once the cycle has ended."""
+        loop = asyncio.get_running_loop()
         if self._snapshotting is not None:
             await asyncio.wait([self._snapshotting])
-        applied = self.state_machine.applied_index
-        if applied > self._snapshot_index and self.core is not None:
-            self._snapshot(applied)
-            if self._snapshotting is not None:
-                await asyncio.wait([self._snapshotting])
-            await asyncio.get_running_loop().run_in_executor(self._writer, lambda: None)
+        while self._busy and not self._closed:
+            if self._snapshot_asked is None:
+                self._snapshot_asked = loop.create_future()
+            if await asyncio.shield(self._snapshot_asked):
+                break
+        else:
+            applied = self.state_machine.applied_index
+            if applied > self._snapshot_index and self.core is not None:
+                self._snapshot(applied)
+        if self._snapshotting is not None:
+            await asyncio.wait([self._snapshotting])
+        await loop.run_in_executor(self._writer, lambda: None)
 
     # -- whole-state operations (api.maintenance.StateFiles) ---------------------------
 
@@ -512,15 +544,26 @@ class ClusterLog:
         backend = self.backend
         if backend is None:
             return
-        before = self._committed_index()
-        copy = backend.path + ".defrag"
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._backend_thread, backend.copy_compacted, copy)
-        if self._committed_index() != before or self._snapshotting is not None:
-            shutil.rmtree(copy, ignore_errors=True)
-            log.info("defragment skipped: a checkpoint committed during the copy")
-            return
-        backend.swap_in(copy)
+        async with self._defragmenting:
+            before = self._committed_index()
+            copy = backend.path + ".defrag"
+            await self._on_backend(backend.copy_compacted, copy)
+            # Another job on the backend thread (an installed snapshot's
+            # commit) may be running: the file is not closed under it.
+            busy = self._backend_jobs or self._snapshotting is not None
+            if self._committed_index() != before or busy:
+                shutil.rmtree(copy, ignore_errors=True)
+                log.info("defragment skipped: a checkpoint committed during the copy")
+                return
+            backend.swap_in(copy)
+
+    async def _on_backend(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """`fn(*args)` on the backend thread, counted in `_backend_jobs`."""
+        self._backend_jobs += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._backend_thread, fn, *args)
+        finally:
+            self._backend_jobs -= 1
 
     def _committed_index(self) -> int:
         assert self.backend is not None
@@ -710,6 +753,9 @@ class ClusterLog:
                 self.applier.on_fatal(failure)
         finally:
             self._busy = False
+            asked, self._snapshot_asked = self._snapshot_asked, None
+            if asked is not None and not asked.done():
+                asked.set_result(False)
 
     def _stop_cycle(self) -> None:
         """Nothing more is written or applied; waiting proposals fail."""
@@ -821,8 +867,13 @@ class ClusterLog:
             log.info("raft leader member=%x term=%d", leader, core.term)
             if self.on_leader_change is not None:
                 self.on_leader_change(leader)
-        if applied - self._snapshot_index >= self.snapshot_count:
+        asked, self._snapshot_asked = self._snapshot_asked, None
+        if applied - self._snapshot_index >= self.snapshot_count or (
+            asked is not None and applied > self._snapshot_index
+        ):
             self._snapshot(applied)
+        if asked is not None and not asked.done():
+            asked.set_result(True)
 
     def _snapshot(self, index: int) -> None:
         """Snapshot the state at applied `index`: the core drops its log up to it,
@@ -902,9 +953,8 @@ class ClusterLog:
                 finally:
                     txn.abort()
 
-            loop = asyncio.get_running_loop()
             try:
-                size = await loop.run_in_executor(self._backend_thread, write)
+                size = await self._on_backend(write)
             except (lmdb.Error, OSError) as e:
                 sm.checkpoint_failed(checkpoint)
                 log.error("raft snapshot failed, will retry index=%d error=%r", index, e)
@@ -970,9 +1020,7 @@ class ClusterLog:
             # Until this commits, a restart finds the backend behind the
             # snapshot file and restores from the file.
             checkpoint = self.state_machine.checkpoint()
-            await loop.run_in_executor(
-                self._backend_thread, self._commit_checkpoint, checkpoint, False
-            )
+            await self._on_backend(self._commit_checkpoint, checkpoint, False)
             self.backend.renew_reader()
             self.state_machine.checkpoint_done()
         if self.on_restored is not None:

@@ -21,12 +21,21 @@ seed replays exactly:
   `RaftStorage`): the WAL is a list of segments of records, replayed by
   `RaftStorage.load`'s rules; the writer (`SimWriter`) runs jobs one at a time,
   each taking a simulated fsync;
+- with `SimConfig.backend`, the state machine's backend: a real LMDB `Backend`
+  in a directory of the member's (`SimBackend`), so the driver takes the
+  server's path (a snapshot is a checkpoint whose file is streamed from a read
+  transaction, a restart reads the backend, an install replaces it, Defragment
+  swaps the file); its thread (`SimBackendThread`) runs jobs one at a time in
+  virtual time while the loop goes on;
 - crashes: a crash cancels every task of the member (tasks are owned through a
   context variable the loop's task factory reads), drops its state machine and
   core, and decides what the write in flight left on disk: nothing, all of it,
   or a prefix of its records (the real WAL cuts a torn tail); the jobs queued
-  behind it are lost. A restart builds a new StateMachine, Applier and
-  ClusterLog from the disk alone (`recover()`, then `start()`).
+  behind it are lost. The backend job in flight did nothing, finished, or
+  committed without writing the snapshot file after; the backend keeps every
+  commit (LMDB commits whole) and the environment is closed. A restart builds
+  a new StateMachine, Applier and ClusterLog from the disk (and the backend
+  dir) alone (`recover()`, then `start()`).
 
 Clients put unique values to a few keys and read them linearizably (`propose`,
 then `linearize()` and `read_range`, as `api/kv.py` serves Range) on random
@@ -85,6 +94,7 @@ from queue_server.replication.storage import (
     encode_hard_state,
 )
 from queue_server.storage import snapshot as snapshot_format
+from queue_server.storage.backend import Backend, CommitBatch
 from raft.messages import Entry
 from tests.support.linearizability import Op, linearizable
 
@@ -92,6 +102,10 @@ Command = internal_pb2.Command
 
 # -- virtual time -------------------------------------------------------------------
 
+
+SIM_MAP_BYTES = 1 << 30
+"""The address space each simulated member's LMDB environment reserves (its
+file only grows as pages are used)."""
 
 SIM_SNAPSHOT = "sim-snapshot:"
 """How a simulated disk names a snapshot for the network (see `snapshot_path`)."""
@@ -229,9 +243,16 @@ class SimDisk:
     replaces i and everything after it, the last hard state wins, entries at or
     below the newest snapshot are skipped."""
 
-    def __init__(self, incoming: str, faults: DiskFaults | None = None) -> None:
+    def __init__(
+        self, incoming: str, faults: DiskFaults | None = None, backend_dir: str | None = None
+    ) -> None:
         self.incoming = incoming
         """A real directory: the driver reads a snapshot a peer sent from a file."""
+        self.backend_dir = backend_dir
+        """A real directory for the state machine's LMDB environment (None: the
+        state lives in memory). Its commits survive a crash as they are: LMDB
+        commits whole or not at all, and a commit the member made is in the file
+        (the process goes on; only the member's incarnation is gone)."""
         self.segments: list[list[bytes]] = [[]]
         self.snapshots: list[tuple[int, bytes]] = []
         self.faults = faults or DiskFaults()
@@ -269,7 +290,9 @@ class SimDisk:
                 del self.segments[seg][keep:]
         self._unsynced.clear()
 
-    def load(self) -> Loaded:
+    def load(self, state_held_at: int = 0) -> Loaded:
+        """As `RaftStorage.load`: a snapshot at or below `state_held_at` (the
+        backend's consistent index) gives only its raft position."""
         out = Loaded()
         if self.snapshots:
             index, data = self.snapshots[-1]
@@ -277,7 +300,8 @@ class SimDisk:
             out.snapshot_index = payload["index"]
             out.snapshot_term = payload["term"]
             out.voters = tuple(payload["voters"])
-            out.state = payload["state"]
+            if not 0 < index <= state_held_at:
+                out.state = payload["state"]
         entries: list[StoredEntry] = []
         for seg in self.segments:
             for payload_ in seg:
@@ -308,11 +332,14 @@ def _read_snapshot(index: int, data: bytes) -> dict[str, Any]:
 
 
 class SnapshotJob:
-    """`snapshot_job`'s and `install_job`'s blocking function, in the three steps
-    a crash can fall between (save the snapshot, start a new WAL segment, drop
-    the old)."""
+    """`snapshot_job`'s, `install_job`'s and `restart_job`'s blocking function,
+    in the three steps a crash can fall between (save the snapshot, start a new
+    WAL segment, drop the old). `restart_job`'s has no snapshot to save (`data`
+    None: the backend path saved it already)."""
 
-    def __init__(self, storage: SimStorage, index: int, data: bytes, records: list[bytes]):
+    def __init__(
+        self, storage: SimStorage, index: int, data: bytes | None, records: list[bytes]
+    ) -> None:
         self.storage = storage
         self.index = index
         self.data = data
@@ -320,11 +347,11 @@ class SnapshotJob:
 
     def __call__(self) -> int:
         self.run(3)
-        return len(self.data)
+        return len(self.data or b"")
 
     def run(self, steps: int) -> None:
         disk = self.storage.disk
-        if steps >= 1:
+        if steps >= 1 and self.data is not None:
             disk.save_snapshot(self.index, self.data)
         if steps >= 2:
             disk.restart_wal(self.records)
@@ -343,8 +370,8 @@ class SimStorage:
         self.dead = False
         self._seq = 0
 
-    def load(self) -> Loaded:
-        return self.disk.load()
+    def load(self, state_held_at: int = 0) -> Loaded:
+        return self.disk.load(state_held_at)
 
     def encode(self, records: list[bytes]) -> tuple[bytes, int]:
         self._seq += len(records)
@@ -378,6 +405,26 @@ class SimStorage:
     ) -> Callable[[], int]:
         data = snapshot_format.encode(index, state, raft_term=raft_term, voters=voters)
         return SnapshotJob(self, index, data, self._restart_records(hard_state, entries_after))
+
+    def save_snapshot(
+        self, index: int, state: dict[str, Any], raft_term: int, voters: Iterable[int]
+    ) -> int:
+        """The backend path's snapshot file, written from its read transaction
+        (on the simulated backend thread): durable once it returns, as
+        `RaftStorage.save_snapshot` fsyncs and renames. A dead incarnation's
+        reaches nothing."""
+        data = snapshot_format.encode(index, state, raft_term=raft_term, voters=voters)
+        if not self.dead:
+            self.disk.save_snapshot(index, data)
+        return len(data)
+
+    def restart_job(
+        self, hard_state: tuple[int, int, int], entries_after: list[StoredEntry]
+    ) -> Callable[[], int]:
+        """The WAL restarted after a snapshot `save_snapshot` saved: its records
+        numbered now, written by the writer in two steps a crash can fall
+        between."""
+        return SnapshotJob(self, 0, None, self._restart_records(hard_state, entries_after))
 
     def install_job(
         self, index: int, received: str, hard_state: tuple[int, int, int]
@@ -475,6 +522,62 @@ class SimWriter(Executor):
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         return None
+
+    @property
+    def busy(self) -> bool:
+        """A job runs or waits."""
+        return self._running is not None or bool(self._queue)
+
+
+class SimBackendThread(SimWriter):
+    """The backend thread in virtual time: the backend's commits, snapshot
+    streams and defragment copies, one after another, each taking a drawn
+    while during which the loop goes on (the real thread overlaps the loop so).
+    A job's effects happen at its end, all at once."""
+
+    def crash(self, rng: random.Random) -> str:
+        """The power goes during the job in flight: it did nothing, it finished
+        (an LMDB commit is whole or absent), or its commit landed and the
+        snapshot file it went on to write did not. The queued ones are lost."""
+        if self._timer is not None:
+            self._timer.cancel()
+        running, self._running = self._running, None
+        self._queue.clear()
+        if running is None:
+            return "backend idle"
+        fn, args, _ = running
+        fate = rng.randrange(3)
+        if fate == 0:
+            return "backend job lost"
+        if fate == 2:
+            self.storage.dead = True  # what the job writes after its commit is lost
+        try:
+            fn(*args)
+        except Exception as e:
+            return f"backend job failed {type(e).__name__}"
+        return "backend job done" if fate == 1 else "backend job committed, its file lost"
+
+
+class SimBackend(Backend):
+    """The real backend, checking a rule of its own the simulation cannot see
+    break (its jobs run whole, at once): the file is swapped only with no
+    backend job in flight (`swap_in`), or a commit would run on a closed file."""
+
+    thread: SimBackendThread | None = None
+    on_violation: Callable[[str], None] | None = None
+    report: SimReport | None = None
+
+    def commit(self, batch: CommitBatch) -> None:
+        super().commit(batch)
+        if self.report is not None:
+            self.report.backend_commits += 1
+
+    def swap_in(self, copied: str) -> None:
+        if self.thread is not None and self.thread.busy and self.on_violation is not None:
+            self.on_violation(f"{self.path}: swap_in with a backend job in flight")
+        super().swap_in(copied)
+        if self.report is not None:
+            self.report.defragments += 1
 
 
 # -- the network --------------------------------------------------------------------
@@ -653,6 +756,8 @@ class SimMember:
     log: ClusterLog | None = None
     storage: SimStorage | None = None
     writer: SimWriter | None = None
+    backend: SimBackend | None = None
+    backend_thread: SimBackendThread | None = None
     incarnation: int = 0
     ctx: contextvars.Context = field(default_factory=contextvars.copy_context)
     down_since: float = 0.0
@@ -692,14 +797,22 @@ class SimConfig:
     """Past this many raft messages in one virtual second the run stops as a
     livelock (a healthy run of five members sends a few hundred)."""
     disk: DiskFaults = field(default_factory=DiskFaults)
+    backend: bool = False
+    """Each member's state machine keeps its state on a real LMDB `Backend` in
+    a directory of its own (the server's way): a snapshot is a checkpoint, its
+    file is streamed from a read transaction on the (simulated) backend thread,
+    a restart reads the backend. False: the state lives in memory."""
+    backend_seconds: tuple[float, float] = (0.001, 0.01)
+    """How long one backend job (a commit, a snapshot stream, a copy) takes."""
 
 
-def config_for(seed: int) -> SimConfig:
+def config_for(seed: int, backend: bool = False) -> SimConfig:
     """Three or five members; every other seed snapshots every 16 entries, so
     lagging and restarted members are sent snapshots."""
     return SimConfig(
         members=5 if seed % 4 == 3 else 3,
         snapshot_count=16 if seed % 2 == 0 else 100_000,
+        backend=backend,
     )
 
 
@@ -720,6 +833,12 @@ class SimReport:
     snapshots_saved: int = 0
     snapshots_installed: int = 0
     messages_sent: int = 0
+    backend_commits: int = 0
+    """Checkpoints the members' backends committed (0 in memory)."""
+    backend_restarts: int = 0
+    """Restarts that found a checkpoint in the backend and started from it."""
+    defragments: int = 0
+    """Backend files a Defragment swapped in."""
     loop_errors: dict[str, int] = field(default_factory=dict)
     """Exceptions asyncio would have logged as never retrieved, by kind."""
     applied_index: int = 0
@@ -747,7 +866,8 @@ class MemberSim:
         self.disk_rng = random.Random(self.rng.getrandbits(64))
         self.files = tempfile.mkdtemp(prefix="member-sim-")
         self.members = {
-            i: SimMember(i, SimDisk(self._incoming_dir(i), config.disk)) for i in self.ids
+            i: SimMember(i, SimDisk(self._incoming_dir(i), config.disk, self._backend_dir(i)))
+            for i in self.ids
         }
         self.report = SimReport(seed, members=config.members)
         self.history: dict[bytes, list[Op]] = {}
@@ -787,6 +907,21 @@ class MemberSim:
         m.writer = SimWriter(
             m.storage, self.loop, random.Random(self.disk_rng.getrandbits(64)), self.config.fsync
         )
+        m.backend = m.backend_thread = None
+        if m.disk.backend_dir is not None:
+            m.backend_thread = SimBackendThread(
+                m.storage,
+                self.loop,
+                random.Random(self.disk_rng.getrandbits(64)),
+                self.config.backend_seconds,
+            )
+            m.backend = SimBackend(m.disk.backend_dir, fsync=False, map_bytes=SIM_MAP_BYTES)
+            m.backend.thread = m.backend_thread
+            m.backend.on_violation = self.violation
+            m.backend.report = self.report
+            if m.backend.consistent_index:
+                self.report.backend_restarts += 1
+            state.use_backend(m.backend)
         log = ObservedClusterLog(
             applier,
             member_id,
@@ -795,6 +930,7 @@ class MemberSim:
             m.storage,  # type: ignore[arg-type]
             keep_alive=lambda lease_id: 0,
             writer=m.writer,
+            backend_executor=m.backend_thread,
             snapshot_count=self.config.snapshot_count,
             rng=random.Random(self.rng.getrandbits(64)),
         )
@@ -806,6 +942,7 @@ class MemberSim:
         except Exception as e:  # the disk holds what the member cannot start from
             self.violation(f"member {member_id:x} cannot recover: {e!r}")
             m.down_since = self.loop.time()
+            self._close_backend(m)
             return
         m.applied_seen = state.applied_index
         m.log = log
@@ -816,14 +953,24 @@ class MemberSim:
         m = self.members[member_id]
         assert m.log is not None and m.writer is not None and m.storage is not None
         fate = m.writer.crash(self.disk_rng)
+        if m.backend_thread is not None:
+            fate += ", " + m.backend_thread.crash(self.disk_rng)
         m.storage.dead = True
         m.disk.crash(self.loop.time())
+        self._close_backend(m)  # what the state machine held in memory is gone
         m.log = None
         m.down_since = self.loop.time()
         for task in list(self.loop.owned.pop((member_id, m.incarnation), ())):
             task.cancel()
         self.report.crashes += 1
         self.event("crash", f"{member_id:x}", fate)
+
+    def _close_backend(self, m: SimMember) -> None:
+        """Close the incarnation's LMDB environment (the kernel's part in a
+        process's death): the next one opens the file afresh."""
+        if m.backend is not None:
+            m.backend.close()
+            m.backend = None
 
     def live(self) -> list[int]:
         return [i for i in self.ids if self.members[i].log is not None]
@@ -948,7 +1095,8 @@ class MemberSim:
         self.event("weather", self.network.config)
 
     def _fault_snapshot_now(self, rng: random.Random) -> None:
-        """A snapshot out of turn, as Defragment takes one."""
+        """Defragment: a snapshot out of turn and, on the backend, the file
+        copied on the backend thread and swapped in."""
         live = self.live()
         if live:
             target = rng.choice(live)
@@ -959,7 +1107,7 @@ class MemberSim:
 
     async def _snapshot_now(self, log: ClusterLog) -> None:
         try:
-            await log.snapshot_now()
+            await log.defragment()
         except ValueError as e:  # a received snapshot is being installed
             self.event("snapshot_now refused", e)
 
@@ -1182,6 +1330,11 @@ class MemberSim:
         os.mkdir(path)
         return path
 
+    def _backend_dir(self, member_id: int) -> str | None:
+        if not self.config.backend:
+            return None
+        return os.path.join(self.files, f"{member_id:x}-db")
+
     def close(self) -> None:
         loop = self.loop
         tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
@@ -1190,6 +1343,8 @@ class MemberSim:
         if tasks:
             loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
         loop.close()
+        for m in self.members.values():
+            self._close_backend(m)
         shutil.rmtree(self.files, ignore_errors=True)
 
 
