@@ -966,6 +966,8 @@ class ClusterLog:
                 return
             if self.core is not core or self._closed or self._snapshot_index >= index:
                 return  # a snapshot from the leader replaced the state meanwhile
+            if core.log.pending_snapshot is not None:
+                return  # one from the leader is being installed: it waits for this to end
             hs = core.hard_state
             core.compact(index, SNAPSHOT_IN_FILE)
             later = [

@@ -94,6 +94,8 @@ class Writer:
         self.seconds = seconds
         self.acked: list[bytes] = []
         self.latencies: list[float] = []
+        self.slowest_at = 0.0
+        """When the slowest put began (wall clock), to find it in the logs."""
         self.errors: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -123,13 +125,17 @@ class Writer:
             ):
                 key = b"during/%06d" % i
                 started = time.monotonic()
+                began = time.time()
                 try:
                     stub.Put(rpc_pb2.PutRequest(key=key, value=b"w"), timeout=10)
                     self.acked.append(key)
                     i += 1
                 except grpc.RpcError as e:
                     self.errors.append(f"{e.code()}: {e.details()}")
-                self.latencies.append(time.monotonic() - started)
+                latency = time.monotonic() - started
+                if latency > self.slowest:
+                    self.slowest_at = began
+                self.latencies.append(latency)
                 self._stop.wait(WRITER_PAUSE)  # pacing the load, not synchronisation
 
 
@@ -226,9 +232,11 @@ def assert_converged(members: list[Member], leader: Member, want: int, acked: li
 
 
 def report(what: str, took: float, writer: Writer) -> None:
+    at = time.strftime("%H:%M:%S", time.localtime(writer.slowest_at))
+    at += f".{int(writer.slowest_at % 1 * 1000):03d}"
     print(
         f"\n{what}: caught up in {took:.1f}s, {len(writer.acked)} puts meanwhile, "
-        f"slowest put {writer.slowest * 1000:.0f} ms"
+        f"slowest put {writer.slowest * 1000:.0f} ms (at {at})"
     )
 
 
