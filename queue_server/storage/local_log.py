@@ -149,6 +149,20 @@ class _Proposal:
     future: asyncio.Future[ApplyResult]
 
 
+def hash_revisions(backend: Backend, txn: lmdb.Transaction, bound: int) -> int:
+    """`MVCCStore.hash_kv` from a read transaction of the backend: over the
+    changes in revision order whose entry code is at most `bound` (any thread)."""
+    h = zlib.crc32(b"key")
+    parse = kv_pb2.KeyValue.FromString
+    for pos, tombstone, raw in backend.revisions(txn):
+        code = pos << 1 | tombstone
+        if code > bound:
+            break
+        kv = parse(raw)
+        h = hash_change(h, kv.key, code, None if tombstone else kv.value)
+    return h
+
+
 class LocalLog:
     """A durable log on one node, feeding one `StateMachine` whose state lives
     in `backend` (the state machine's own)."""
@@ -590,19 +604,7 @@ class LocalLog:
         value `MVCCStore.hash_kv` gives."""
         bound = position(self.state_machine.store.check_revision(revision)) << 1 | 1
         backend = self.backend
-
-        def run(_index: int, txn: lmdb.Transaction) -> int:
-            h = zlib.crc32(b"key")
-            parse = kv_pb2.KeyValue.FromString
-            for pos, tombstone, raw in backend.revisions(txn):
-                code = pos << 1 | tombstone
-                if code > bound:
-                    break
-                kv = parse(raw)
-                h = hash_change(h, kv.key, code, None if tombstone else kv.value)
-            return h
-
-        return await self._read_on_thread(run)
+        return await self._read_on_thread(lambda _index, txn: hash_revisions(backend, txn, bound))
 
     async def defragment(self) -> None:
         """etcd's Defragment: the backend file rewritten without its free pages,

@@ -816,6 +816,7 @@ def config_for(seed: int, backend: bool = False) -> SimConfig:
         snapshot_count=16 if seed % 2 == 0 else 100_000,
         backend=backend,
         backend_seconds=(0.05, 0.5) if seed % 3 == 1 else (0.001, 0.01),
+        fault_weights=dict(FAULT_WEIGHTS, hash_kv=0.06) if backend else dict(FAULT_WEIGHTS),
     )
 
 
@@ -842,6 +843,8 @@ class SimReport:
     """Restarts that found a checkpoint in the backend and started from it."""
     defragments: int = 0
     """Backend files a Defragment swapped in."""
+    hashes: int = 0
+    """HashKVs computed on a backend thread and checked."""
     loop_errors: dict[str, int] = field(default_factory=dict)
     """Exceptions asyncio would have logged as never retrieved, by kind."""
     applied_index: int = 0
@@ -1107,6 +1110,28 @@ class MemberSim:
             assert log is not None
             self.event("snapshot_now", f"{target:x}")
             self.loop.create_task(self._snapshot_now(log), context=self.members[target].ctx)
+
+    def _fault_hash_kv(self, rng: random.Random) -> None:
+        """HashKV on a member, computed on its backend thread: it must equal the
+        in-memory checksum at that revision when asked (every replica holds the
+        same changes up to it, and the clients never compact)."""
+        live = self.live()
+        if not live:
+            return
+        target = rng.choice(live)
+        log = self.members[target].log
+        assert log is not None
+        store = log.state_machine.store
+        revision = store.revision
+        want = store.hash_kv(revision)
+        self.event("hash_kv", f"{target:x}", revision)
+        self.loop.create_task(self._hash_kv(log, revision, want), context=self.members[target].ctx)
+
+    async def _hash_kv(self, log: ClusterLog, revision: int, want: int) -> None:
+        got = await log.hash_kv(revision)
+        self.report.hashes += 1
+        if got != want:
+            self.violation(f"member {log.member_id:x} HashKV at {revision}: {got}, not {want}")
 
     async def _snapshot_now(self, log: ClusterLog) -> None:
         try:
