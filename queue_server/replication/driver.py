@@ -231,6 +231,7 @@ class ClusterLog:
                 raise snapshot_format.CorruptSnapshotError(f"{backend.path}: no sections")
             contents = snapshot_format.decode(image, os.path.join(backend.path, "sections"))
             sm.restore_state(contents.state, backend.scan_keys(), backend.table_rows)
+            backend.release_mapped_pages()  # the scan's pages: page cache, not ours
         elif loaded.state is not None:
             sm.restore_state(loaded.state)
             if backend is not None:  # the backend did not hold it yet: now it does

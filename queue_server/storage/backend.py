@@ -46,6 +46,7 @@ from typing import Protocol, cast
 import lmdb
 
 from etcdserverpb import kv_pb2
+from queue_server.storage.mapped_pages import MappedPages
 
 __all__ = ["Backend", "CommitBatch", "KeyValueFields", "revision_key"]
 
@@ -64,6 +65,11 @@ DB_DIR = os.path.join("member", "db")
 
 TABLES = ("cqs", "mq")
 """The row tables parts of the state may keep (see `CommitBatch.tables`)."""
+
+RELEASE_PAGES_FROM_BYTES = 64 << 20
+"""A file at least this large has its mapped pages released after each commit
+and after a restart's scan (`MappedPages`): below it, what stays mapped is
+small and keeping it saves the next reads their page faults."""
 
 _CONSISTENT_INDEX = b"consistent_index"
 _SECTIONS = b"sections"
@@ -163,6 +169,14 @@ class Backend:
         self._tables = {name: self.env.open_db(b"t:" + name.encode()) for name in TABLES}
         self.reader = self.env.begin(buffers=False)
         self._in_use = self._measure_in_use()
+        self.mapped = MappedPages(os.path.join(self.path, "data.mdb"))
+
+    def release_mapped_pages(self) -> None:
+        """Drop the file's pages from this process's resident set if the file is
+        large (`RELEASE_PAGES_FROM_BYTES`): after a commit, and after a restart
+        has scanned it (any thread)."""
+        if self.file_bytes >= RELEASE_PAGES_FROM_BYTES:
+            self.mapped.release()
 
     # -- what the file holds ------------------------------------------------------------
 
@@ -276,6 +290,7 @@ class Backend:
                 put(_SECTIONS, batch.sections, db=self._state)
             put(_CONSISTENT_INDEX, _U64.pack(batch.index), db=self._meta)
         self._in_use = self._measure_in_use()
+        self.release_mapped_pages()
 
     def renew_reader(self) -> None:
         """On the loop, after a commit: the reader sees the new checkpoint."""

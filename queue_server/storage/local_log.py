@@ -237,6 +237,7 @@ class LocalLog:
                     f"{e}; the backend's state cannot be read: refusing to start"
                 ) from e
             sm.restore_state(contents.state, backend.scan_keys(), backend.table_rows)
+            backend.release_mapped_pages()  # the scan's pages: page cache, not ours
         elif os.path.isdir(legacy):
             snaps = SnapshotStore(legacy, fsync=self.fsync)
             loaded, broken = snaps.load_usable()
