@@ -35,10 +35,14 @@ the leader) and waits until the state machine has applied it, as etcd's
 linearizable reads do; reads waiting together share one round. Serializable
 reads skip it.
 
-Snapshots: every `snapshot_count` applied entries the state machine is exported;
-the core compacts its log, and the storage saves the snapshot and restarts its
-WAL (in the writer thread, after the writes queued before it). The snapshot file's
-bytes are what a lagging follower receives.
+Snapshots: every `snapshot_count` applied entries. On the backend (every real
+member) a snapshot is, as in etcd, a checkpoint committed with its raft
+position: no file. Only when a lagging follower must be sent one is its file
+written, from a read transaction of that checkpoint on the backend thread, and
+streamed. Without a backend (the member simulation) the state machine is
+exported and the storage saves it as the file. Either way the core then compacts
+its log and the storage restarts its WAL (in the writer thread, after the
+writes queued before it).
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ from queue_server.errors import (
 from queue_server.mvcc.store import position
 from queue_server.replication.peers import Peers, PeerUnavailable
 from queue_server.replication.storage import (
+    HeldPosition,
     RaftStorage,
     StoredEntry,
     encode_entry,
@@ -200,6 +205,8 @@ class ClusterLog:
         self._defragmenting = asyncio.Lock()
         """One Defragment at a time: the copies share their directory."""
         self._snapshotting: asyncio.Task[None] | None = None
+        self._snapshot_files: dict[int, asyncio.Task[bool]] = {}
+        """Snapshot files being written from the backend for followers, by index."""
         self._snapshot_asked: asyncio.Future[bool] | None = None
         """`snapshot_now` during a Ready: the snapshot is taken at its `advance`
         (True), or the cycle ended without one (False: the caller takes it)."""
@@ -222,7 +229,13 @@ class ClusterLog:
         sm = self.state_machine
         backend = self.backend
         held = backend.consistent_index if backend is not None else 0
-        loaded = self.storage.load(state_held_at=held) if held else self.storage.load()
+        raw_position = backend.raft_snapshot() if backend is not None else None
+        position = HeldPosition.decode(raw_position) if raw_position is not None else None
+        loaded = (
+            self.storage.load(state_held_at=held, held_position=position)
+            if held
+            else self.storage.load()
+        )
         snap: Snapshot | None = None
         if backend is not None and held and held >= loaded.snapshot_index:
             # The backend holds the state at or after the newest snapshot.
@@ -235,7 +248,15 @@ class ClusterLog:
         elif loaded.state is not None:
             sm.restore_state(loaded.state)
             if backend is not None:  # the backend did not hold it yet: now it does
-                self._commit_checkpoint(sm.checkpoint())
+                self._commit_checkpoint(
+                    sm.checkpoint(),
+                    position=HeldPosition(
+                        loaded.snapshot_index,
+                        loaded.snapshot_term,
+                        loaded.voters,
+                        sm.store.history_key_count,
+                    ),
+                )
         if loaded.snapshot_index:
             self._snapshot_index = loaded.snapshot_index
             meta = SnapshotMeta(loaded.snapshot_index, loaded.snapshot_term, loaded.voters)
@@ -832,8 +853,11 @@ class ClusterLog:
         send = self.peers.send
         for m in rd.messages:
             if m.snapshot is not None:
-                path = self.storage.snapshot_path(m.snapshot.meta.index)
-                self.peers.send_snapshot(m.dst, m.to_bytes(), path)
+                index = m.snapshot.meta.index
+                if self.backend is not None and not self.storage.has_snapshot_file(index):
+                    self._send_from_backend(m)
+                else:
+                    self.peers.send_snapshot(m.dst, m.to_bytes(), self.storage.snapshot_path(index))
             else:
                 send(m.dst, m.to_bytes())
 
@@ -948,46 +972,33 @@ class ClusterLog:
         term: int,
         voters: tuple[int, ...],
     ) -> None:
-        """A snapshot at applied `index` with the state on the backend: the
-        checkpoint's contents are taken on the loop (the key revisions made since
-        the last one, the sections), then the backend thread commits them and
-        streams the snapshot file from a read transaction of that commit (the
-        key revisions straight from the `key` db), while the loop serves. Only
+        """A snapshot at applied `index` with the state on the backend, as
+        etcd's: the checkpoint's contents are taken on the loop (the key
+        revisions made since the last one, the sections), the backend thread
+        commits them with the snapshot's raft position, and that commit is the
+        snapshot. No file is written: a follower that needs one gets it written
+        from a read transaction when it is sent (`_send_from_backend`). Only
         then does the core compact its log and the WAL restart after it."""
         core, sm, backend = self.core, self.state_machine, self.backend
         assert core is not None and backend is not None
         try:
-            revision, compact_revision, _ = checkpoint.sections["mvcc"]
+            held = HeldPosition(index, term, voters, key_count)
 
-            def write() -> int | OSError:
-                """The size of the file, or why it could not be written (the
-                checkpoint committed all the same)."""
-                self._commit_checkpoint(checkpoint, renew=False)
-                txn = backend.begin_read()
-                try:
-                    keys = RawRevisions(key_count, backend.raw_revisions(txn))
-                    # The parts' rows, from the same commit, back in their sections.
-                    whole = sections_with_tables(
-                        checkpoint.sections, lambda name: backend.table_rows(name, txn)
-                    )
-                    state = dict(whole, mvcc=(revision, compact_revision, keys))
-                    return self.storage.save_snapshot(index, state, term, voters)
+            def commit() -> None:
+                self._commit_checkpoint(checkpoint, renew=False, position=held)
+                try:  # the commit supersedes them; a file left over is only space
+                    self.storage.remove_snapshots_below(index)
                 except OSError as e:
-                    return e
-                finally:
-                    txn.abort()
+                    log.warning("old raft snapshot files not removed error=%r", e)
 
             try:
-                size = await self._on_backend(write)
+                await self._on_backend(commit)
             except (lmdb.Error, OSError) as e:
                 sm.checkpoint_failed(checkpoint)
                 log.error("raft snapshot failed, will retry index=%d error=%r", index, e)
                 return
             backend.renew_reader()
             sm.checkpoint_done()
-            if isinstance(size, OSError):
-                log.error("raft snapshot file failed, will retry index=%d error=%r", index, size)
-                return
             if self.core is not core or self._closed or self._snapshot_index >= index:
                 return  # a snapshot from the leader replaced the state meanwhile
             if core.log.pending_snapshot is not None:
@@ -1000,12 +1011,70 @@ class ClusterLog:
             ]
             self._writer.submit(self.storage.restart_job((hs.term, hs.vote, hs.commit), later))
             self._snapshot_index = index
-            log.info("raft snapshot index=%d bytes=%d", index, size)
+            log.info("raft snapshot index=%d (the backend's checkpoint)", index)
         finally:
             self._snapshotting = None
 
-    def _commit_checkpoint(self, checkpoint: Checkpoint, renew: bool = True) -> None:
-        """Write `checkpoint` to the backend on this thread."""
+    def _send_from_backend(self, m: Message) -> None:
+        """Send raft snapshot message `m` once its file is written from the
+        backend's checkpoint at its index (one file for every follower that
+        needs it); dropped, as a failed send, when the backend has moved past
+        that checkpoint (Raft sends the newer snapshot then)."""
+        assert m.snapshot is not None
+        index = m.snapshot.meta.index
+        written = self._snapshot_files.get(index)
+        if written is None:
+            written = asyncio.get_running_loop().create_task(self._write_snapshot_file(index))
+            self._snapshot_files[index] = written
+            written.add_done_callback(lambda _: self._snapshot_files.pop(index, None))
+        dst, message, path = m.dst, m.to_bytes(), self.storage.snapshot_path(index)
+
+        def send(task: asyncio.Task[bool]) -> None:
+            if not task.cancelled() and task.exception() is None and task.result():
+                self.peers.send_snapshot(dst, message, path)
+
+        written.add_done_callback(send)
+
+    async def _write_snapshot_file(self, index: int) -> bool:
+        """The snapshot file at raft `index`, streamed on the backend thread from
+        a read transaction of the checkpoint taken as that snapshot; False if
+        the backend holds another one by now."""
+        backend = self.backend
+        assert backend is not None
+
+        def write() -> bool:
+            txn = backend.begin_read()
+            try:
+                raw = backend.raft_snapshot(txn)
+                if raw is None or backend.consistent_index_in(txn) != index:
+                    return False
+                held = HeldPosition.decode(raw)
+                image = backend.sections(txn)
+                if held.index != index or image is None:
+                    return False
+                sections = snapshot_format.decode(image, "backend sections").state
+                revision, compact_revision, _ = sections["mvcc"]
+                keys = RawRevisions(held.key_count, backend.raw_revisions(txn))
+                # The parts' rows, from the same commit, back in their sections.
+                whole = sections_with_tables(sections, lambda t: backend.table_rows(t, txn))
+                state = dict(whole, mvcc=(revision, compact_revision, keys))
+                size = self.storage.save_snapshot(index, state, held.term, held.voters)
+                log.info("raft snapshot file written index=%d bytes=%d", index, size)
+                return True
+            finally:
+                txn.abort()
+
+        try:
+            return await self._on_backend(write)
+        except (lmdb.Error, OSError) as e:
+            log.error("raft snapshot file failed index=%d error=%r", index, e)
+            return False
+
+    def _commit_checkpoint(
+        self, checkpoint: Checkpoint, renew: bool = True, position: HeldPosition | None = None
+    ) -> None:
+        """Write `checkpoint` to the backend on this thread (with the raft
+        position it stands for, if it is taken as a raft snapshot)."""
         backend = self.backend
         assert backend is not None
         image = snapshot_format.encode(checkpoint.index, checkpoint.sections)
@@ -1017,6 +1086,7 @@ class ClusterLog:
                 image,
                 checkpoint.tables,
                 checkpoint.replace,
+                position.encode() if position is not None else None,
             )
         )
         if renew:
@@ -1046,7 +1116,13 @@ class ClusterLog:
             # Until this commits, a restart finds the backend behind the
             # snapshot file and restores from the file.
             checkpoint = self.state_machine.checkpoint()
-            await self._on_backend(self._commit_checkpoint, checkpoint, False)
+            held = HeldPosition(
+                meta.index,
+                meta.term,
+                tuple(meta.voters),
+                self.state_machine.store.history_key_count,
+            )
+            await self._on_backend(self._commit_checkpoint, checkpoint, False, held)
             self.backend.renew_reader()
             self.state_machine.checkpoint_done()
         if self.on_restored is not None:

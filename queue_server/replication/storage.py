@@ -24,6 +24,7 @@ resolves by the replacement rule.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from collections.abc import Callable, Iterable
@@ -36,6 +37,31 @@ from queue_server.storage.wal import WALFullError, WriteAheadLog
 
 _ENTRY = struct.Struct("<QQB")
 _HARD = struct.Struct("<QQQ")
+_POSITION = struct.Struct("<QQQ")
+
+
+@dataclass(frozen=True, slots=True)
+class HeldPosition:
+    """The raft position of a snapshot a member on the backend took as a
+    checkpoint (kept in the backend's `meta` db beside it, with no file): its
+    index, term and voters, and the distinct keys the checkpoint holds (a
+    snapshot file written from it later announces that count)."""
+
+    index: int
+    term: int
+    voters: tuple[int, ...]
+    key_count: int
+
+    def encode(self) -> bytes:
+        voters = struct.pack(f"<{len(self.voters)}Q", *self.voters)
+        return _POSITION.pack(self.index, self.term, self.key_count) + voters
+
+    @classmethod
+    def decode(cls, data: bytes) -> HeldPosition:
+        index, term, key_count = _POSITION.unpack_from(data, 0)
+        count = (len(data) - _POSITION.size) // 8
+        voters = struct.unpack_from(f"<{count}Q", data, _POSITION.size)
+        return cls(index, term, tuple(voters), key_count)
 
 
 @dataclass(slots=True)
@@ -77,13 +103,22 @@ class RaftStorage:
         self.snapshots = SnapshotStore(os.path.join(data_dir, "raft", "snap"), fsync)
         self._seq = 0
 
-    def load(self, state_held_at: int = 0) -> Loaded:
+    def load(self, state_held_at: int = 0, held_position: HeldPosition | None = None) -> Loaded:
         """Read everything back (and open the WAL for appending). A snapshot at
         or below `state_held_at` (the backend's consistent index) gives only its
-        raft position: its state is not built, the backend has it."""
+        raft position: its state is not built, the backend has it.
+        `held_position` is the raft position of the backend's own snapshot (a
+        checkpoint it took as one, with no file): it stands for the newest
+        snapshot when no file is newer."""
         out = Loaded()
         indexes = self.snapshots.indexes()
-        if indexes and 0 < indexes[-1] <= state_held_at:
+        if held_position is not None and (not indexes or indexes[-1] <= held_position.index):
+            out.snapshot_index = held_position.index
+            out.snapshot_term = held_position.term
+            out.voters = held_position.voters
+            self.snapshots.remove_interrupted()
+            found = None
+        elif indexes and 0 < indexes[-1] <= state_held_at:
             out.snapshot_index, out.snapshot_term, out.voters = snapshot.read_header(
                 self.snapshots.path(indexes[-1])
             )
@@ -173,6 +208,17 @@ class RaftStorage:
             return size
 
         return run
+
+    def remove_snapshots_below(self, index: int) -> None:
+        """Delete the snapshot files older than raft `index` (blocking): the
+        backend's own snapshot at `index` supersedes them."""
+        for old in self.snapshots.indexes():
+            if old < index:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self.snapshots.path(old))
+
+    def has_snapshot_file(self, index: int) -> bool:
+        return os.path.exists(self.snapshots.path(index))
 
     def restart_job(
         self, hard_state: tuple[int, int, int], entries_after: list[StoredEntry]

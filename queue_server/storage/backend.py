@@ -11,7 +11,7 @@ The sub-databases (etcd's bucket names where etcd has the bucket):
 | db | key -> value |
 |---|---|
 | `key` | revision: main u64 BE, `_`, sub u64 BE, and `t` for a tombstone -> mvccpb.KeyValue (a tombstone's holds only the key), exactly etcd's `key` bucket |
-| `meta` | `consistent_index` -> u64 BE, the applied log index the file holds everything up to |
+| `meta` | `consistent_index` -> u64 BE, the applied log index the file holds everything up to; `raft_snapshot` -> the raft position of the checkpoint a cluster member took as its raft snapshot (bytes its raft storage encodes) |
 | `state` | `sections` -> a QSNAP2 image of everything but the key revisions and the tables (leases, alarms, queues, CQS, members, auth, and the store's revision and compaction revision) at `consistent_index` |
 | `t:<name>` | a table of a part of the state that keeps its rows here instead of in the sections (`TABLES`: the queues' messages, CQS notifications), written as deltas: row key -> row bytes |
 
@@ -73,6 +73,7 @@ small and keeping it saves the next reads their page faults."""
 
 _CONSISTENT_INDEX = b"consistent_index"
 _SECTIONS = b"sections"
+_RAFT_SNAPSHOT = b"raft_snapshot"
 
 
 class KeyValueFields(Protocol):
@@ -136,6 +137,9 @@ class CommitBatch:
     replace: bool = False
     """Empty the key revisions and tables first: the state was restored from a
     snapshot, and `writes` and `tables` hold all of it."""
+    raft_snapshot: bytes | None = None
+    """A cluster member's raft position of this checkpoint, when the member
+    takes it as its raft snapshot (kept as given, replacing the last one)."""
 
 
 class Backend:
@@ -189,6 +193,11 @@ class Backend:
     def sections(self, txn: lmdb.Transaction | None = None) -> bytes | None:
         """The sections image of the last checkpoint, or None before the first."""
         raw = (txn or self.reader).get(_SECTIONS, db=self._state)
+        return bytes(raw) if raw is not None else None
+
+    def raft_snapshot(self, txn: lmdb.Transaction | None = None) -> bytes | None:
+        """The raft position of the last checkpoint taken as a raft snapshot."""
+        raw = (txn or self.reader).get(_RAFT_SNAPSHOT, db=self._meta)
         return bytes(raw) if raw is not None else None
 
     def get_kv(self, position: int) -> kv_pb2.KeyValue:
@@ -289,6 +298,8 @@ class Backend:
             if batch.sections is not None:
                 put(_SECTIONS, batch.sections, db=self._state)
             put(_CONSISTENT_INDEX, _U64.pack(batch.index), db=self._meta)
+            if batch.raft_snapshot is not None:
+                put(_RAFT_SNAPSHOT, batch.raft_snapshot, db=self._meta)
         self._in_use = self._measure_in_use()
         self.release_mapped_pages()
 

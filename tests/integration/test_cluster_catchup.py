@@ -3,7 +3,7 @@ keeps taking writes, with no leader change (issue 23's cluster tests).
 
 Three members of ours with a small --snapshot-count, so the leader's log is cut
 many times while a member is away and the only way back is a snapshot: the
-leader streams its snapshot file (written from a backend read transaction on
+leader writes its snapshot file when the member needs it (from a backend read transaction on
 its backend thread), the member installs it (`raft installed snapshot` in its
 log) and follows from there. Meanwhile a writer thread puts through the leader,
 bounded in count and time, and notes its slowest put. The end: every key on

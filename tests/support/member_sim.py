@@ -88,6 +88,7 @@ from queue_server.errors import EtcdError
 from queue_server.replication.driver import ClusterLog
 from queue_server.replication.peers import PeerUnavailable
 from queue_server.replication.storage import (
+    HeldPosition,
     Loaded,
     StoredEntry,
     encode_entry,
@@ -290,11 +291,19 @@ class SimDisk:
                 del self.segments[seg][keep:]
         self._unsynced.clear()
 
-    def load(self, state_held_at: int = 0) -> Loaded:
+    def load(self, state_held_at: int = 0, held_position: HeldPosition | None = None) -> Loaded:
         """As `RaftStorage.load`: a snapshot at or below `state_held_at` (the
-        backend's consistent index) gives only its raft position."""
+        backend's consistent index) gives only its raft position, and the
+        backend's own snapshot (`held_position`) stands for the newest when no
+        file is newer."""
         out = Loaded()
-        if self.snapshots:
+        if held_position is not None and (
+            not self.snapshots or self.snapshots[-1][0] <= held_position.index
+        ):
+            out.snapshot_index = held_position.index
+            out.snapshot_term = held_position.term
+            out.voters = held_position.voters
+        elif self.snapshots:
             index, data = self.snapshots[-1]
             payload = _read_snapshot(index, data)
             out.snapshot_index = payload["index"]
@@ -370,8 +379,15 @@ class SimStorage:
         self.dead = False
         self._seq = 0
 
-    def load(self, state_held_at: int = 0) -> Loaded:
-        return self.disk.load(state_held_at)
+    def load(self, state_held_at: int = 0, held_position: HeldPosition | None = None) -> Loaded:
+        return self.disk.load(state_held_at, held_position)
+
+    def has_snapshot_file(self, index: int) -> bool:
+        return any(i == index for i, _ in self.disk.snapshots)
+
+    def remove_snapshots_below(self, index: int) -> None:
+        if not self.dead:
+            self.disk.snapshots = [(i, data) for i, data in self.disk.snapshots if i >= index]
 
     def encode(self, records: list[bytes]) -> tuple[bytes, int]:
         self._seq += len(records)
