@@ -573,7 +573,12 @@ class CqsState:
                 token = r.token.encode() if held else b"pending"
                 return keys.message_key(keys.SHORT, queue, seq, token)
 
-            whole = end is not None and key <= prefix and (end == b"" or end >= upper)
+            # Every message key is prefix + IDX_DIGITS digits + "/" + a token,
+            # so a range from at most the lowest digits to past the highest
+            # (clients count `/q/{name}/0` to `/q/{name}/:`) holds them all.
+            lowest = prefix + b"0" * keys.IDX_DIGITS
+            past_highest = prefix + b"9" * keys.IDX_DIGITS + b"0"
+            whole = end is not None and key <= lowest and (end == b"" or end >= past_highest)
             if whole:  # every key of the queue is inside: count without building keys
                 count += len(tree) + tree.in_flight
                 found: Iterable[tuple[int, Record, bool]] = rows()
