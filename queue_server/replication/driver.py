@@ -623,13 +623,38 @@ class ClusterLog:
         return await self._on_backend(job)
 
     async def export_etcd_db(self, fileobj: IO[bytes]) -> int:
-        """The state as an etcd backend database into `fileobj`: exported on the
-        loop, written on a thread."""
-        index = self.state_machine.applied_index
-        state = self.state_machine.export_state()
-        return await asyncio.get_running_loop().run_in_executor(
-            None, lambda: etcd_backend.write_etcd_db(fileobj, index, state)
-        )
+        """The state as an etcd backend database into `fileobj` (Maintenance.
+        Snapshot). With a backend: a snapshot makes the backend hold the applied
+        state (as `hash_kv`), then the backend thread writes the file from a read
+        transaction of it, the `key` bucket copied straight from the `key` db;
+        nothing in proportion to the data runs on the loop. Without one (the
+        member simulation): exported on the loop, written on a thread."""
+        sm, backend = self.state_machine, self.backend
+        if backend is None:
+            index = sm.applied_index
+            state = sm.export_state()
+            return await asyncio.get_running_loop().run_in_executor(
+                None, lambda: etcd_backend.write_etcd_db(fileobj, index, state)
+            )
+        applied = sm.applied_index
+        await self.snapshot_now()
+
+        def job() -> int:
+            txn = backend.begin_read()
+            try:
+                held = backend.consistent_index_in(txn)
+                image = backend.sections(txn)
+                if held < applied or image is None:  # the checkpoint failed (logged)
+                    raise RuntimeError(f"the backend holds index {held}, not {applied}")
+                sections = snapshot_format.decode(image, "backend sections").state
+                state = sections_with_tables(sections, lambda t: backend.table_rows(t, txn))
+                return etcd_backend.write_etcd_db(
+                    fileobj, held, state, key_items=backend.raw_revisions(txn)
+                )
+            finally:
+                txn.abort()
+
+        return await self._on_backend(job)
 
     # -- peers ------------------------------------------------------------------------
 
