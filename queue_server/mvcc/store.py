@@ -139,7 +139,16 @@ ALL_KEYS_END = b""
 """`end` for "every key from `key` on": etcd's "\\0" range_end after translation."""
 
 
-def _at(codes: list[int], revision: int) -> int | None:
+History = tuple[int] | list[int]
+"""One key's entry codes in the index, ascending: a tuple while the key has one
+revision (most keys of a large keyspace), a list from its second. A tuple of
+ints is untracked by Python's cyclic collector after its first young
+collection, a list never is: with a million one-revision keys as lists every
+full collection walked them all (150 ms at 1,000,000 keys, growing with the
+data, and the slowest request with it); as tuples it does not."""
+
+
+def _at(codes: History, revision: int) -> int | None:
     """The entry code of the last change at or before `revision`, or None."""
     bound = position(revision) << 1 | 1
     if codes[-1] <= bound:
@@ -161,7 +170,7 @@ class MVCCStore:
     """
 
     def __init__(self, committed: CommittedRevisions | None = None) -> None:
-        self._index: SortedDict = SortedDict()  # bytes -> list[int] of entry codes
+        self._index: SortedDict = SortedDict()  # bytes -> History (entry codes)
         self._pending: dict[int, KeyValue] = {}
         self._committing: dict[int, KeyValue] = {}
         self._dropped: list[int] = []  # committed codes compaction removed
@@ -218,7 +227,7 @@ class MVCCStore:
         f = self.committed.get_kv(code >> 1)
         return KeyValue(f.key, f.create_revision, f.mod_revision, f.version, f.value, f.lease)
 
-    def _histories(self, key: bytes, end: bytes | None) -> Iterator[tuple[bytes, list[int]]]:
+    def _histories(self, key: bytes, end: bytes | None) -> Iterator[tuple[bytes, History]]:
         """The entry codes of keys in [key, end); `end` None means just `key`,
         `ALL_KEYS_END` means no upper bound."""
         if end is None:
@@ -326,9 +335,9 @@ class MVCCStore:
             prev = self._load(codes[-1])
             kv = KeyValue(key, prev.create_revision, revision, prev.version + 1, value, lease)
         if codes is None:
-            # A literal list holds exactly one slot (append over-allocates four):
-            # most keys of a large keyspace have one revision.
-            self._index[key] = [code]
+            self._index[key] = (code,)  # see `History`
+        elif isinstance(codes, tuple):
+            self._index[key] = [codes[0], code]
         else:
             codes.append(code)
         self._pending[code] = kv
@@ -337,18 +346,24 @@ class MVCCStore:
 
     def _delete(self, key: bytes, end: bytes | None, revision: int, sub: int) -> list[Event]:
         events: list[Event] = []
+        grown: list[tuple[bytes, list[int]]] = []
         for k, codes in self._histories(key, end):
             last = codes[-1]
             if last & 1:
                 continue
             prev = self._load(last)
             code = position(revision, sub + len(events)) << 1 | 1
-            codes.append(code)
+            if isinstance(codes, tuple):  # not while iterating the index: after
+                grown.append((k, [codes[0], code]))
+            else:
+                codes.append(code)
             tombstone = KeyValue(k, 0, revision, 0, b"", 0)
             self._pending[code] = tombstone
             self._key_count -= 1
             self._pending_bytes += len(k) + RECORD_OVERHEAD_BYTES
             events.append(Event(True, tombstone, prev))
+        for k, codes in grown:
+            self._index[k] = codes
         return events
 
     def _undo(self, events: list[Event]) -> None:
@@ -356,7 +371,10 @@ class MVCCStore:
         for e in reversed(events):
             key = e.kv.key
             codes = self._index[key]
-            code = codes.pop()
+            if isinstance(codes, tuple):
+                code, codes = codes[0], []
+            else:
+                code = codes.pop()
             kv = self._pending.pop(code)
             self._pending_bytes -= len(key) + len(kv.value) + RECORD_OVERHEAD_BYTES
             if not code & 1:
@@ -378,6 +396,7 @@ class MVCCStore:
         self.compact_revision = revision
         bound = position(revision) << 1 | 1
         emptied: list[bytes] = []
+        shrunk: list[tuple[bytes, History]] = []
         for key, codes in self._index.items():
             if codes[0] > bound:
                 continue
@@ -387,11 +406,16 @@ class MVCCStore:
                 continue
             for code in codes[:keep_from]:
                 self._drop(key, code)
-            del codes[:keep_from]
-            if not codes:
+            if keep_from == len(codes):
                 emptied.append(key)
+            elif len(codes) - keep_from == 1:
+                shrunk.append((key, (codes[-1],)))
+            else:
+                del codes[:keep_from]
         for key in emptied:
             del self._index[key]
+        for key, one in shrunk:
+            self._index[key] = one
 
     def _drop(self, key: bytes, code: int) -> None:
         kv = self._pending.pop(code, None)
@@ -452,12 +476,14 @@ class MVCCStore:
         """Rebuild the index from the committed revisions in revision order
         (position, tombstone, key, lease): a restart's one scan of the backend.
         The leases of the current keys are kept for `leased_keys`."""
-        index: dict[bytes, list[int]] = {}
+        index: dict[bytes, History] = {}
         leased: dict[bytes, int] = {}
         for pos, tombstone, key, lease in revisions:
             codes = index.get(key)
             if codes is None:
-                index[key] = [pos << 1 | tombstone]  # one slot, see _put
+                index[key] = (pos << 1 | tombstone,)  # see `History`
+            elif isinstance(codes, tuple):
+                index[key] = [codes[0], pos << 1 | tombstone]
             else:
                 codes.append(pos << 1 | tombstone)
             if lease and not tombstone:
@@ -532,7 +558,7 @@ class MVCCStore:
                 codes.append(code)
             if not codes[-1] & 1:
                 store._key_count += 1
-            items.append((key, codes))
+            items.append((key, (codes[0],) if len(codes) == 1 else codes))
         store._pending_bytes = size
         store._index = SortedDict(items)
         store.replaces_committed = True
