@@ -1,16 +1,18 @@
-"""Benchmark harness: our server and a real etcd side by side on loopback.
+"""Benchmark harnesses: our server and a real etcd side by side on loopback, driven by Go clients.
 
-Run it with ``python -m benchmarks [--quick] [--suite NAME,...] [--json OUT]
-[--out-dir DIR]``; docs/benchmarks.md explains the workloads and how to read the
-results. The package owns nothing outside itself: it starts its own servers,
-drives them with its own clients and stops what it started, by pid.
+Each harness is run as ``python -m benchmarks.NAME``; docs/benchmarks.md explains the workloads
+and how to read the results. A harness starts its own servers, drives them with Go load
+generators (etcd's ``tools/benchmark``, our ``tools/queue-bench``) and stops what it started, by
+pid.
 
 Modules:
 
-- ``servers``: start/stop our server and etcd, readiness, CPU/RSS of a server pid.
-- ``loadgen``: latency histogram, the in-flight driver, client worker processes.
-- ``results``: the result types (a measurement, a row) and their JSON shape.
-- ``workloads``: the suites and their workloads (one module per family).
-- ``runner``: runs the chosen suites against both servers, prints progress.
-- ``report``: machine facts, the text table, JSON, Markdown and PNG charts.
+- ``servers``: our server and etcd as processes (alone or as cluster members), free ports, and
+  the CPU and memory figures read from /proc.
+- ``options``: the command line every harness shares, the Go tools it finds or builds, and
+  the facts a report opens with.
+- ``etcd_tool``: KV, lease, STM and watch workloads under etcd's own load generator.
+- ``queue_tool``: the etcd-key queue, etcd's queue recipe and CQS under ``tools/queue-bench``.
+- ``cluster_tool``: the same tools against 3-member clusters, and leader failover.
+- ``keyspace_tool``: a large keyspace loaded part after part, a restart on it, its growth.
 """

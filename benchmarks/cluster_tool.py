@@ -43,15 +43,15 @@ which it is killed by its pid; every wait for health, a leader, a catch-up or a 
 own deadline. Output: a Markdown table (`--out`) and JSON (`--json`); the Markdown also goes to
 stdout, progress to stderr. Exit status 1 when any run failed or lost a put.
 
-This module imports the server and report helpers of `benchmarks.etcd_tool`, grpc and our
-generated etcd stubs (`etcdserverpb`, for the failover probe); nothing from tests/.
+The server processes come from `benchmarks.servers`, the command line is the set every harness
+shares (`benchmarks.options`), the tool runner is `run_tool_on` of `benchmarks.etcd_tool`; it
+also needs grpc and our generated etcd stubs (`etcdserverpb`, for the failover probe).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
 import shutil
@@ -69,28 +69,27 @@ from typing import Any
 
 import grpc
 
-from benchmarks.etcd_tool import (
+from benchmarks.etcd_tool import PUT_ARGS, RunResult, Workload, run_tool_on
+from benchmarks.options import (
+    add_common_args,
+    chosen_workloads,
+    queue_bench,
+    resolve_common_args,
+    run_meta,
+    stop_on_sigterm,
+)
+from benchmarks.servers import (
     OTHER_CPU_WARN,
-    PUT_ARGS,
     STOP_TIMEOUT,
     EtcdServer,
     Membership,
     OursServer,
-    RunResult,
     Server,
-    Workload,
-    add_common_args,
     children_cpu,
-    chosen_workloads,
-    etcd_version,
     free_port,
-    git_commit,
     machine_busy_cpu,
     process_tree_cpu,
-    resolve_common_args,
-    run_tool_on,
 )
-from benchmarks.queue_tool import build_tool as build_queue_tool
 from etcdserverpb import rpc_pb2, rpc_pb2_grpc
 
 CLUSTER_SIZE = 3
@@ -853,18 +852,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         prog="python -m benchmarks.cluster_tool",
         description="3-member clusters of queue-server and etcd side by side, Go clients.",
     )
-    p.add_argument("--quick", action="store_true", help="small counts, 2 kills (CI)")
-    p.add_argument(
-        "--workloads",
-        default=",".join(WORKLOADS_BY_NAME),
-        help=f"comma-separated, from {','.join(WORKLOADS_BY_NAME)} (default: all)",
-    )
-    p.add_argument(
-        "--queue-tool",
-        type=Path,
-        default=None,
-        help="tools/queue-bench, built from this checkout (default: build it into a temporary "
-        "directory with scripts/build_queue_bench.sh); only the queue row",
+    add_common_args(
+        p,
+        QUICK_RUN_TIMEOUT,
+        FULL_RUN_TIMEOUT,
+        workloads=list(WORKLOADS_BY_NAME),
+        quick_help="small counts, 2 kills (CI)",
     )
     p.add_argument(
         "--kills",
@@ -872,26 +865,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help=f"leader kills in the failover row (default {DEFAULT_KILLS}, quick {QUICK_KILLS})",
     )
-    add_common_args(p, QUICK_RUN_TIMEOUT, FULL_RUN_TIMEOUT)
     args = p.parse_args(argv)
     args.workload_list = chosen_workloads(p, args.workloads, WORKLOADS_BY_NAME)
     modes = {w.mode for w in args.workload_list}
-    resolve_common_args(p, args, QUICK_RUN_TIMEOUT, FULL_RUN_TIMEOUT, need_tool="tool" in modes)
-    if "queue" in modes:
-        if args.queue_tool is not None and not args.queue_tool.exists():
-            p.error(f"no queue driver at {args.queue_tool}: scripts/build_queue_bench.sh OUT")
-        if args.queue_tool is None and shutil.which("go") is None:
-            p.error("no go on PATH to build tools/queue-bench, and no --queue-tool")
+    resolve_common_args(
+        p,
+        args,
+        QUICK_RUN_TIMEOUT,
+        FULL_RUN_TIMEOUT,
+        need_tool="tool" in modes,
+        need_queue_tool="queue" in modes,
+    )
     if args.kills is None:
         args.kills = QUICK_KILLS if args.quick else DEFAULT_KILLS
     if args.kills < 1:
         p.error("--kills must be at least 1")
     return args
-
-
-def _stop_on_sigterm(signum: int, _frame: object) -> None:
-    """SIGTERM unwinds like Ctrl-C, so the `finally` blocks stop every member by its pid."""
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _log_side(s: Side) -> None:
@@ -909,36 +898,19 @@ def _log_side(s: Side) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     mode = "quick" if args.quick else "full"
     started = time.monotonic()
-    build_dir: Path | None = None
-    if args.queue_tool is None and any(w.mode == "queue" for w in args.workload_list):
-        # Built from this checkout: an older build lacks --producer-endpoints.
-        build_dir = Path(tempfile.mkdtemp(prefix="cluster-tool-build-"))
-        args.queue_tool = build_queue_tool(build_dir)
-    try:
+    # Built from this checkout unless given: an older build lacks --producer-endpoints.
+    with queue_bench(args, needed=any(w.mode == "queue" for w in args.workload_list)):
         return run_all(args, mode, started)
-    finally:
-        if build_dir is not None:
-            shutil.rmtree(build_dir, ignore_errors=True)
 
 
 def run_all(args: argparse.Namespace, mode: str, started: float) -> int:
-    meta: dict[str, Any] = {
-        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
-        "mode": mode,
-        "cpus": os.cpu_count(),
-        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-        "etcd_version": etcd_version(args.etcd),
-        "etcd": args.etcd,
-        "tool": args.tool,
-        "queue_tool": str(args.queue_tool) if args.queue_tool else None,
-        "commit": git_commit(args.ours_dir),
-        "ours_dir": str(args.ours_dir),
-        "python": sys.version.split()[0],
-        "kills": args.kills,
-    }
+    meta = run_meta(args)
+    meta["tool"] = args.tool
+    meta["queue_tool"] = str(args.queue_tool) if args.queue_tool else None
+    meta["kills"] = args.kills
     rows: list[Row] = []
     for cw in args.workload_list:
         root = Path(tempfile.mkdtemp(prefix=f"cluster-tool-{cw.name}-"))

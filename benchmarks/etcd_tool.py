@@ -32,50 +32,49 @@ put-to-event latency, so it cannot measure a throughput. The watch report's late
 time to hand each event of a received response to the tool, not a server latency, so the table
 shows no p50 for it.
 
-This module does not import from tests/ (nor from the rest of the harness); it needs only the
-standard library, the etcd and etcdctl binaries and the built tool.
+The server processes and /proc readings come from `benchmarks.servers`, the command line is the
+set every harness shares (`benchmarks.options`); besides those it needs only the standard
+library, the etcd and etcdctl binaries and the built tool.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
 import json
-import os
-import random
 import re
-import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from tests.support.shared_tools import shared_tools_dir
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TOOL = Path("/tmp/tools/etcd-benchmark")
-BUILD_HINT = (
-    f"bash {shared_tools_dir() / 'etcd-benchmark' / 'build.sh'} {DEFAULT_TOOL} "
-    "(its sources are found through $QS_SHARED_TOOLS, default ../shared/tools: README, "
-    "'Third-party tools')"
+from benchmarks.options import (
+    add_common_args,
+    chosen_workloads,
+    resolve_common_args,
+    run_meta,
+    stop_on_sigterm,
 )
-READY_TIMEOUT = 30.0
-STOP_TIMEOUT = 15.0
+from benchmarks.servers import (
+    OTHER_CPU_WARN,
+    STOP_TIMEOUT,
+    EtcdServer,
+    OursServer,
+    Server,
+    StartupRejected,
+    children_cpu,
+    machine_busy_cpu,
+    process_tree_cpu,
+)
+
 SETUP_TIMEOUT = 20.0
 QUICK_RUN_TIMEOUT = 180.0
 FULL_RUN_TIMEOUT = 900.0
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-OTHER_CPU_WARN = 0.25
-"""Cores' worth of CPU used by other processes during a run above which the run is flagged."""
 
 PUT_ARGS = ["--key-size=8", "--val-size=256", "--sequential-keys", "--key-space-size=100000"]
 
@@ -183,347 +182,6 @@ WORKLOADS_BY_NAME = {w.name: w for w in WORKLOADS}
 
 def log(msg: str) -> None:
     print(f"[etcd_tool {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-LISTEN_PORTS_FROM = 20_000
-"""Listeners of tests and benchmarks get a port from here up to the kernel's
-ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`, 32768-60999 here).
-A port the kernel hands out for bind(0) comes from that range, and between
-picking it and the server binding it the kernel may give the same port to some
-outgoing connection as its source port: a member starting up dialling its peers
-did exactly that now and then, and the member told to listen there exited."""
-_picked: deque[int] = deque(maxlen=4096)
-"""Ports handed out lately by this process: not handed out again while their
-server may still be starting."""
-_pick = random.Random()
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32_768
-
-
-def free_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on, below the ephemeral range
-    (see LISTEN_PORTS_FROM); bind(0)'s choice where that range leaves no room."""
-    high = _ephemeral_low()
-    for _ in range(200 if high - LISTEN_PORTS_FROM > 1000 else 0):
-        port = _pick.randrange(LISTEN_PORTS_FROM, high)
-        if port in _picked:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _picked.append(port)
-        return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-# --- CPU time from /proc -------------------------------------------------------------------
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    """The fields of /proc/<pid>/stat after the command name (field 3 onwards)."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return raw[raw.rfind(")") + 2 :].split()
-
-
-def _descendants(root: int) -> list[int]:
-    """`root` and every live descendant of it."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        fields = _stat_fields(int(entry))
-        if fields is not None:
-            children.setdefault(int(fields[1]), []).append(int(entry))
-    found: list[int] = []
-    todo = [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
-    return found
-
-
-def process_tree_cpu(pid: int) -> float:
-    """CPU seconds (user + system) of `pid` and its descendants, each counted once: a live
-    process by its own times, a reaped one through its parent's cutime/cstime."""
-    ticks = 0
-    for p in _descendants(pid):
-        fields = _stat_fields(p)
-        if fields is not None:
-            # fields[11..14] are utime, stime, cutime, cstime (stat fields 14..17)
-            ticks += sum(int(x) for x in fields[11:15])
-    return ticks / CLK_TCK
-
-
-PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-
-
-def process_tree_rss(pid: int) -> int:
-    """Resident bytes of `pid` and its live descendants (/proc/<pid>/statm), 0 once gone."""
-    total = 0
-    for p in _descendants(pid):
-        try:
-            total += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * PAGE_SIZE
-        except (OSError, ValueError, IndexError):
-            continue
-    return total
-
-
-def machine_busy_cpu() -> float:
-    """CPU seconds all CPUs of the machine have spent busy (not idle, not iowait)."""
-    try:
-        first = Path("/proc/stat").read_text().splitlines()[0].split()
-    except (OSError, IndexError):
-        return 0.0
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in first[1:9])
-    return (user + nice + system + irq + softirq + steal) / CLK_TCK
-
-
-def children_cpu() -> float:
-    """CPU seconds of this process's reaped children (the tool, once it is waited for)."""
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
-# --- servers -------------------------------------------------------------------------------
-
-
-class StartupRejected(RuntimeError):
-    """The server exited before it was ready; `log_text` says why."""
-
-    def __init__(self, msg: str, log_text: str) -> None:
-        super().__init__(msg)
-        self.log_text = log_text
-
-
-@dataclass(frozen=True)
-class Membership:
-    """A server as one member of a cluster on loopback: its name, its peer port, and every
-    member's `name=peer-url` (the same flags for ours and for etcd)."""
-
-    name: str
-    peer_port: int
-    initial_cluster: str
-    token: str = "bench-cluster"
-
-    @property
-    def peer_url(self) -> str:
-        return f"http://127.0.0.1:{self.peer_port}"
-
-    def args(self) -> list[str]:
-        return [
-            "--name",
-            self.name,
-            "--listen-peer-urls",
-            self.peer_url,
-            "--initial-advertise-peer-urls",
-            self.peer_url,
-            "--initial-cluster",
-            self.initial_cluster,
-            "--initial-cluster-token",
-            self.token,
-        ]
-
-
-def single_member(name: str) -> Membership:
-    """A cluster of one (what etcd needs for its own peer flags when it runs alone)."""
-    port = free_port()
-    return Membership(name, port, f"{name}=http://127.0.0.1:{port}")
-
-
-class Server:
-    """One server process under test, on a free loopback port, data in `work_dir`."""
-
-    def __init__(self, kind: str, work_dir: Path, etcdctl: str) -> None:
-        self.kind = kind
-        self.work_dir = work_dir
-        self.etcdctl = etcdctl
-        self.port = free_port()
-        self.log_path = work_dir / f"{kind}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.cwd = REPO_ROOT
-        self.env = dict(os.environ)
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.endpoint}"
-
-    @property
-    def pid(self) -> int:
-        if self.proc is None:
-            raise RuntimeError(f"{self.kind} not started")
-        return self.proc.pid
-
-    def command(self) -> list[str]:
-        raise NotImplementedError
-
-    def start(self) -> None:
-        """Launch, and wait until it answers `etcdctl endpoint health` (stopped if it does not)."""
-        self.launch()
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-
-    def launch(self) -> None:
-        """Start the process without waiting for it to serve: the members of a cluster are all
-        launched before any can answer health (which needs a leader). A relaunch (after
-        `kill`) keeps the ports and the data dir and appends to the same log."""
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(
-                self.command(),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=self.cwd,
-                env=self.env,
-                start_new_session=True,
-            )
-
-    def etcdctl_run(self, *args: str, timeout: float = 5.0) -> subprocess.CompletedProcess[str]:
-        env = {**os.environ, "ETCDCTL_API": "3"}
-        return subprocess.run(
-            [self.etcdctl, f"--endpoints={self.endpoint}", "--command-timeout=3s", *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=env,
-            check=False,
-        )
-
-    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout
-        last = ""
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise StartupRejected(
-                    f"{self.kind} exited with code {self.proc.returncode} before it was ready",
-                    self.log_tail(),
-                )
-            try:
-                r = self.etcdctl_run("endpoint", "health")
-            except subprocess.TimeoutExpired:
-                last = "etcdctl endpoint health timed out"
-            else:
-                if r.returncode == 0:
-                    return
-                last = (r.stderr or r.stdout).strip()
-            time.sleep(0.1)  # poll interval, bounded by the deadline
-        raise TimeoutError(f"{self.kind} not ready after {timeout:.0f}s: {last}")
-
-    def stop(self, timeout: float = STOP_TIMEOUT) -> None:
-        """SIGTERM by pid, wait (up to `timeout`), then SIGKILL by pid."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            log(f"{self.kind} (pid {self.proc.pid}) ignored SIGTERM; sending SIGKILL")
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=STOP_TIMEOUT)
-
-    def kill(self) -> None:
-        """SIGKILL by pid (a crash: no clean shutdown), and reap it (bounded)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=STOP_TIMEOUT)
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
-
-
-class OursServer(Server):
-    def __init__(
-        self,
-        work_dir: Path,
-        etcdctl: str,
-        transport: str | None,
-        source: Path = REPO_ROOT,
-        membership: Membership | None = None,
-    ) -> None:
-        """Without `membership`, a single member on its local log."""
-        super().__init__("ours", work_dir, etcdctl)
-        self.transport = transport
-        self.membership = membership
-        # Run the queue_server package found in `source` (a checkout), ahead of any install.
-        self.cwd = source
-        self.env["PYTHONPATH"] = os.pathsep.join(
-            [str(source), *filter(None, [os.environ.get("PYTHONPATH")])]
-        )
-
-    def command(self) -> list[str]:
-        cmd = [
-            sys.executable,
-            "-m",
-            "queue_server.cli",
-            "--data-dir",
-            str(self.work_dir / "ours-data"),
-            "--listen-client-urls",
-            self.url,
-            "--advertise-client-urls",
-            self.url,
-        ]
-        if self.transport is not None:
-            cmd += ["--grpc-transport", self.transport]
-        if self.membership is not None:
-            cmd += self.membership.args()
-        return cmd
-
-
-class EtcdServer(Server):
-    def __init__(
-        self, work_dir: Path, etcdctl: str, binary: str, membership: Membership | None = None
-    ) -> None:
-        """Without `membership`, a cluster of one named `bench`. etcd's own defaults otherwise
-        (heartbeat 100 ms, election timeout 1000 ms, as ours)."""
-        super().__init__("etcd", work_dir, etcdctl)
-        self.binary = binary
-        self.membership = membership or single_member("bench")
-
-    def command(self) -> list[str]:
-        return [
-            self.binary,
-            "--data-dir",
-            str(self.work_dir / "etcd-data"),
-            "--listen-client-urls",
-            self.url,
-            "--advertise-client-urls",
-            self.url,
-            *self.membership.args(),
-        ]
 
 
 # --- the tool's report ---------------------------------------------------------------------
@@ -813,116 +471,7 @@ def to_json(
     return {"meta": meta, "results": out}
 
 
-def git_commit(repo: Path) -> str:
-    try:
-        r = subprocess.run(
-            ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return "?"
-    dirty = ""
-    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-        st = subprocess.run(
-            ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-        dirty = "+dirty" if st.stdout.strip() else ""
-    return (r.stdout.strip() or "?") + dirty
-
-
-def etcd_version(binary: str) -> str:
-    try:
-        out = subprocess.run(
-            [binary, "--version"], capture_output=True, text=True, timeout=10, check=False
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return "?"
-    for line in out.splitlines():
-        if line.lower().startswith("etcd version:"):
-            return line.split(":", 1)[1].strip()
-    return "?"
-
-
 # --- main ----------------------------------------------------------------------------------
-
-
-W = TypeVar("W")
-
-
-def chosen_workloads(p: argparse.ArgumentParser, text: object, by_name: dict[str, W]) -> list[W]:
-    """The workloads a comma-separated --workloads names, in its order; a name
-    not in `by_name` (or none at all) is a usage error."""
-    names = [s.strip() for s in str(text).split(",") if s.strip()]
-    unknown = [s for s in names if s not in by_name]
-    if unknown or not names:
-        p.error(f"unknown workload(s) {unknown}; choose from {','.join(by_name)}")
-    return [by_name[s] for s in names]
-
-
-def add_common_args(p: argparse.ArgumentParser, quick_timeout: float, full_timeout: float) -> None:
-    """The arguments every Go-tool harness takes: the tool, etcd, our checkout, the outputs and
-    the bound on one tool run. `resolve_common_args` checks them once parsed."""
-    p.add_argument(
-        "--tool",
-        default=None,
-        help=f"etcd's benchmark tool (default $ETCD_BENCHMARK, {DEFAULT_TOOL}, PATH)",
-    )
-    p.add_argument("--etcd", default=None, help="the etcd binary (default: etcd on PATH)")
-    p.add_argument(
-        "--ours-dir",
-        type=Path,
-        default=REPO_ROOT,
-        help="run our server from this checkout (e.g. a `git clone` of a fixed commit) "
-        "instead of this one",
-    )
-    p.add_argument("--out", type=Path, default=None, help="write the Markdown table here")
-    p.add_argument("--json", type=Path, default=None, help="write the JSON results here")
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=None,
-        help=f"seconds per tool run before it is killed (default {quick_timeout:.0f} quick, "
-        f"{full_timeout:.0f} full)",
-    )
-
-
-def resolve_common_args(
-    p: argparse.ArgumentParser,
-    args: argparse.Namespace,
-    quick_timeout: float,
-    full_timeout: float,
-    need_tool: bool = True,
-) -> None:
-    """Find the tool, etcd and etcdctl, check --ours-dir, default --timeout; a usage error
-    (`p.error`) names what is missing and how to get it."""
-    tool = (
-        args.tool
-        or os.environ.get("ETCD_BENCHMARK")
-        or (str(DEFAULT_TOOL) if DEFAULT_TOOL.exists() else shutil.which("etcd-benchmark"))
-    )
-    if need_tool and (not tool or not Path(tool).exists()):
-        p.error(
-            f"etcd benchmark tool not found ({args.tool or DEFAULT_TOOL}); build it: {BUILD_HINT}"
-        )
-    args.tool = tool
-    args.etcd = args.etcd or shutil.which("etcd")
-    if not args.etcd:
-        p.error("no etcd binary (apt-get install etcd-server, or --etcd PATH)")
-    args.etcdctl = shutil.which("etcdctl")
-    if not args.etcdctl:
-        p.error("no etcdctl on PATH (apt-get install etcd-client)")
-    args.ours_dir = Path(args.ours_dir).resolve()
-    if not (args.ours_dir / "queue_server" / "cli.py").exists():
-        p.error(f"no queue_server/cli.py in --ours-dir {args.ours_dir}")
-    if args.timeout is None:
-        args.timeout = quick_timeout if args.quick else full_timeout
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -930,11 +479,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         prog="python -m benchmarks.etcd_tool",
         description="queue-server vs etcd side by side, driven by etcd's tools/benchmark.",
     )
-    p.add_argument("--quick", action="store_true", help="small runs (a couple of seconds each)")
-    p.add_argument(
-        "--workloads",
-        default=",".join(WORKLOADS_BY_NAME),
-        help=f"comma-separated, from {','.join(WORKLOADS_BY_NAME)} (default: all)",
+    add_common_args(
+        p,
+        QUICK_RUN_TIMEOUT,
+        FULL_RUN_TIMEOUT,
+        workloads=list(WORKLOADS_BY_NAME),
+        quick_help="small runs (a couple of seconds each)",
     )
     p.add_argument(
         "--transport",
@@ -942,7 +492,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="pass --grpc-transport VALUE to our server (default: don't pass it)",
     )
-    add_common_args(p, QUICK_RUN_TIMEOUT, FULL_RUN_TIMEOUT)
     args = p.parse_args(argv)
     args.workload_list = chosen_workloads(p, args.workloads, WORKLOADS_BY_NAME)
     resolve_common_args(p, args, QUICK_RUN_TIMEOUT, FULL_RUN_TIMEOUT)
@@ -951,19 +500,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     mode = "quick" if args.quick else "full"
-    meta: dict[str, Any] = {
-        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
-        "mode": mode,
-        "cpus": os.cpu_count(),
-        "etcd_version": etcd_version(args.etcd),
-        "etcd": args.etcd,
-        "tool": args.tool,
-        "commit": git_commit(args.ours_dir),
-        "ours_dir": str(args.ours_dir),
-        "transport": args.transport or "default",
-        "python": sys.version.split()[0],
-    }
+    meta = run_meta(args)
+    meta["tool"] = args.tool
+    meta["transport"] = args.transport or "default"
     requested_transport = args.transport
     args.transport_note = ""
     rows: list[tuple[Workload, int, RunResult, RunResult]] = []

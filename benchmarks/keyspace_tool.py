@@ -50,14 +50,14 @@ Markdown table per scenario with etcd, ours and ours/etcd per row (`--out`, also
 and JSON (`--json`); progress on stderr. Exit status 1 when a run failed or a count is short.
 A temporary directory is removed once its side succeeded, kept (logs, tool output) otherwise.
 
-The server classes, the tool runner, the argument set and the /proc readings are those of
-`benchmarks.etcd_tool`, the 3-member clusters those of `benchmarks.cluster_tool`.
+The server classes and the /proc readings come from `benchmarks.servers`, the argument set from
+`benchmarks.options`, the tool runner from `benchmarks.etcd_tool` and the 3-member clusters from
+`benchmarks.cluster_tool`.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -72,20 +72,10 @@ from typing import Any
 
 import grpc
 
-from benchmarks.cluster_tool import Cluster, _stop_on_sigterm
-from benchmarks.etcd_tool import (
-    EtcdServer,
-    OursServer,
-    RunResult,
-    Server,
-    Workload,
-    add_common_args,
-    etcd_version,
-    git_commit,
-    process_tree_rss,
-    resolve_common_args,
-    run_tool_on,
-)
+from benchmarks.cluster_tool import Cluster
+from benchmarks.etcd_tool import RunResult, Workload, run_tool_on
+from benchmarks.options import add_common_args, resolve_common_args, run_meta, stop_on_sigterm
+from benchmarks.servers import EtcdServer, OursServer, Server, process_tree_rss
 from etcdserverpb import rpc_pb2, rpc_pb2_grpc
 
 KEY_SIZE = 16
@@ -700,12 +690,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "read; 3-member clusters; the put rate as the keyspace grows.",
     )
     p.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"tiny sizes ({QUICK_KEYS:,} keys, {QUICK_CLUSTER_KEYS:,} in a cluster, growth "
-        f"{QUICK_GROWTH_KEYS:,}/{QUICK_GROWTH_PROBE:,}): checks the harness, claims nothing",
-    )
-    p.add_argument(
         "--members",
         default=None,
         help="comma-separated, from 1 (one member: load, restart, read) and 3 (a 3-member "
@@ -739,7 +723,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="every part of the one-member and cluster loads rewrites the same keys (16 B): "
         "N puts over N/parts keys",
     )
-    add_common_args(p, QUICK_RUN_TIMEOUT, FULL_RUN_TIMEOUT)
+    add_common_args(
+        p,
+        QUICK_RUN_TIMEOUT,
+        FULL_RUN_TIMEOUT,
+        quick_help=f"tiny sizes ({QUICK_KEYS:,} keys, {QUICK_CLUSTER_KEYS:,} in a cluster, growth "
+        f"{QUICK_GROWTH_KEYS:,}/{QUICK_GROWTH_PROBE:,}): checks the harness, claims nothing",
+    )
     args = p.parse_args(argv)
     if args.members is None:
         args.member_counts = [] if args.growth else [1]
@@ -815,20 +805,12 @@ RUNNERS: dict[str, Callable[[str, Sequence[Part], argparse.Namespace, Path], Sid
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     mode = "quick" if args.quick else "full"
     started = time.monotonic()
-    meta: dict[str, Any] = {
-        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
-        "mode": mode,
-        "cpus": os.cpu_count(),
-        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-        "etcd_version": etcd_version(args.etcd),
-        "etcd": args.etcd,
+    meta = run_meta(args)
+    meta |= {
         "tool": args.tool,
-        "commit": git_commit(args.ours_dir),
-        "ours_dir": str(args.ours_dir),
-        "python": sys.version.split()[0],
         "tmpdir": tempfile.gettempdir(),
         "command": "python -m benchmarks.keyspace_tool "
         + " ".join(a for a in (argv if argv is not None else sys.argv[1:])),

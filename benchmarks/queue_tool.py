@@ -2,28 +2,32 @@
 
 Run it with::
 
-    python -m benchmarks.queue_tool [--quick] [--workloads mq,mq-batched,recipe,cqs-dequeue,...]
-        [--tool PATH] [--no-etcd] [--etcd PATH] [--ours-dir CHECKOUT] [--md FILE] [--json FILE]
+    python -m benchmarks.queue_tool [--quick] [--workloads mq,mq-64,mq-batched,recipe,...]
+        [--queue-tool PATH] [--no-etcd] [--etcd PATH] [--ours-dir CHECKOUT] [--out FILE]
+        [--json FILE] [--timeout SECONDS]
 
-The driver is `tools/queue-bench` (Go; `scripts/build_queue_bench.sh` builds it offline, and this
-module builds it into a temporary directory unless `--tool` names a built one). A Python gRPC client
-costs more CPU per message than either server and saturates a 2-core machine; the Go driver costs
-a fraction of the server's CPU per message, and reports its own so that can be checked.
+(the options every harness shares: `benchmarks/options.py`). The driver is `tools/queue-bench`
+(Go; `scripts/build_queue_bench.sh` builds it offline, and this module builds it into a temporary
+directory unless `--queue-tool` names a built one). A Python gRPC client costs more CPU per
+message than either server and saturates a 2-core machine; the Go driver costs a fraction of the
+server's CPU per message, and reports its own so that can be checked.
 
-What it owns: for each run it starts a fresh server (ours: `python -m queue_server.cli`, etcd:
-Debian's 3.4), each in a new temporary data directory on free 127.0.0.1 ports, with the
-server-starting code of `benchmarks.etcd_tool`; it runs the driver once against it (bounded: the
-driver's own `--timeout`, and a subprocess timeout after which the driver is killed by its pid),
-then stops the server by its pid. Servers never run at the same time. The driver reads the
-server's CPU time (utime + stime of the pid and its descendants, /proc/PID/stat) at the start and
-the end of its measured phase, so CPU per message leaves out setup and prefill; this module reads
-the whole machine's busy CPU over the driver run and flags runs that other processes disturbed.
+What it owns: for each run it starts a fresh server (`benchmarks.servers`: ours is
+`python -m queue_server.cli`, etcd is Debian's 3.4), each in a new temporary data directory on
+free 127.0.0.1 ports; it runs the driver once against it (bounded: the driver's own `--timeout`,
+and a subprocess timeout after which the driver is killed by its pid), then stops the server by
+its pid. Servers never run at the same time. The driver reads the server's CPU time (utime +
+stime of the pid and its descendants, /proc/PID/stat) at the start and the end of its measured
+phase, so CPU per message leaves out setup and prefill; this module reads the whole machine's
+busy CPU over the driver run and flags runs that other processes disturbed.
 
 The runs:
 
 - `recipe`: etcd's queue recipe (prefix put, 8 consumers each prefix-watching, claim with a
   mod_revision Txn) on real etcd, and on ours. etcd's run is the baseline of the `mq` rows.
-- `mq`: our etcd-key queue, 8 consumers, one Put and one DeleteRange per message.
+- `mq`: our etcd-key queue, 8 producers, 8 consumers, one Put and one DeleteRange per message.
+- `mq-64`: the same with 64 producers, 16 acks in flight per consumer and 1024 messages
+  unacknowledged at most; its baseline is `recipe-64`, etcd's recipe with the same clients.
 - `mq-batched`: the same with 16 puts per Txn and acks of up to 16 deletes per Txn; its server CPU
   per message is a target row of its own.
 - `mq-deep`, `mq-batched-prefetch`: the two rows above with a deeper pipeline (more producers and
@@ -34,17 +38,17 @@ The runs:
 Any run whose driver reports a lost, duplicated or unknown message, an RPC error or a timeout
 fails: the row says FAILED with the reason and the exit status is 1.
 
-Output: Markdown (the targets of issue 14 with ours, etcd's recipe, ratio and met?, then every run
-in detail) and JSON. A full run writes `docs/bench/queue-tool.md` and `docs/bench/queue-tool.json`
-unless `--md`/`--json` say otherwise; a `--quick` run (small counts, well under a minute in all)
-writes only where `--md`/`--json` say. The Markdown also goes to stdout, progress to stderr.
+Output: Markdown (the targets of issues 14 and 25 with ours, etcd's recipe, ratio and met?, then
+every run in detail) and JSON. A full run writes `docs/bench/queue-tool.md` and
+`docs/bench/queue-tool.json` unless `--out`/`--json` say otherwise; a `--quick` run (small
+counts, well under a minute in all) writes only where `--out`/`--json` say. The Markdown also
+goes to stdout, progress to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
 import shutil
@@ -58,7 +62,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.etcd_tool import (
+from benchmarks.options import (
+    add_common_args,
+    chosen_workloads,
+    go_version,
+    queue_bench,
+    resolve_common_args,
+    run_meta,
+    stop_on_sigterm,
+)
+from benchmarks.servers import (
     OTHER_CPU_WARN,
     REPO_ROOT,
     STOP_TIMEOUT,
@@ -66,15 +79,10 @@ from benchmarks.etcd_tool import (
     OursServer,
     Server,
     children_cpu,
-    chosen_workloads,
-    etcd_version,
-    git_commit,
     machine_busy_cpu,
     process_tree_cpu,
 )
 
-BUILD_SCRIPT = REPO_ROOT / "scripts" / "build_queue_bench.sh"
-BUILD_TIMEOUT = 600.0
 DOCS_MD = REPO_ROOT / "docs" / "bench" / "queue-tool.md"
 DOCS_JSON = REPO_ROOT / "docs" / "bench" / "queue-tool.json"
 QUICK_DRIVER_TIMEOUT = 60.0
@@ -125,6 +133,33 @@ MQ = Run(
     quick=1_000,
     unit="msg",
 )
+MQ_WIDE = Run(
+    "mq-64",
+    "mq",
+    lambda n: [
+        "--consumers=8",
+        "--producers=64",
+        "--put-batch=1",
+        "--ack-batch=1",
+        "--acks-in-flight=16",
+        "--inflight=1024",
+        "--conns=4",
+    ],
+    full=60_000,
+    quick=1_000,
+    unit="msg",
+)
+"""Issue 25's single-message row: as many producers as etcd_tool's put64 has clients, 16 acks
+in flight per consumer, at most 1024 messages unacknowledged (cluster_tool's queue row)."""
+RECIPE_WIDE = Run(
+    "recipe-64",
+    "recipe",
+    lambda n: ["--consumers=8", "--producers=64", "--inflight=1024", "--conns=4"],
+    full=20_000,
+    quick=300,
+    unit="msg",
+)
+"""etcd's recipe with the clients of `MQ_WIDE`: the baseline of its ratio."""
 MQ_BATCHED = Run(
     "mq-batched",
     "mq",
@@ -203,14 +238,27 @@ class Workload:
     ours: Run
     etcd: Run | None
     target: str
-    meets: Callable[[float | None, float | None], bool | None] | None = None
-    """(ours per second, ours/etcd) -> met?, or None when the target is only reported."""
+    meets: Callable[[float | None, float | None, float | None], bool | None] | None = None
+    """(ours per second, ours/etcd, ours' server CPU µs per unit) -> met?, or None when the
+    target is only reported."""
 
 
-def _mq_target(rate: float | None, ratio: float | None) -> bool | None:
+def _mq_target(rate: float | None, ratio: float | None, _cpu_us: float | None) -> bool | None:
     if rate is None:
         return None
     return rate >= 3_000 and ratio is not None and ratio >= 10
+
+
+def _mq_wide_target(rate: float | None, ratio: float | None, cpu_us: float | None) -> bool | None:
+    if rate is None:
+        return None
+    return (
+        rate >= 4_000
+        and ratio is not None
+        and ratio >= 7
+        and cpu_us is not None
+        and (cpu_us <= 200)
+    )
 
 
 WORKLOADS: list[Workload] = [
@@ -223,12 +271,21 @@ WORKLOADS: list[Workload] = [
         _mq_target,
     ),
     Workload(
+        "mq-64",
+        "etcd-key queue, 64 producers and 8 consumers, one put and one delete per message "
+        "(msgs/s; etcd's recipe with the same clients)",
+        MQ_WIDE,
+        RECIPE_WIDE,
+        ">= 4,000 msgs/s, >= 7x etcd's recipe, <= 200 µs of server CPU per message",
+        _mq_wide_target,
+    ),
+    Workload(
         "mq-batched",
         "the same, 16 puts per Txn and 16 acks (deletes) per Txn (msgs/s)",
         MQ_BATCHED,
         RECIPE,
         ">= 10,000 msgs/s",
-        lambda rate, _ratio: None if rate is None else rate >= 10_000,
+        lambda rate, _ratio, _cpu_us: None if rate is None else rate >= 10_000,
     ),
     Workload(
         "mq-deep",
@@ -383,7 +440,7 @@ def run_on(kind: str, run: Run, args: argparse.Namespace) -> RunResult:
             server = EtcdServer(work, args.etcdctl, args.etcd)
         server.start()
         log(f"  {kind} ready on {server.endpoint} (pid {server.pid})")
-        res = drive(args.tool, server, run, args.quick, args.timeout, work)
+        res = drive(args.queue_tool, server, run, args.quick, args.timeout, work)
     except Exception as e:
         res = RunResult(run=run.name, server=kind, command=[], error=f"{type(e).__name__}: {e}")
     finally:
@@ -426,7 +483,7 @@ class Row:
     def met(self) -> bool | None:
         if self.workload.meets is None or self.ours is None:
             return None
-        return self.workload.meets(self.ours.per_second, self.ratio)
+        return self.workload.meets(self.ours.per_second, self.ratio, self.ours.server_us)
 
 
 def _num(x: float | None, fmt: str = "{:,.0f}") -> str:
@@ -482,7 +539,7 @@ def markdown(rows: list[Row], runs: list[RunResult], meta: dict[str, Any]) -> st
         f"`tools/queue-bench` (Go, {meta['go']}). Generated by `python -m benchmarks.queue_tool"
         f"{' --quick' if meta['mode'] == 'quick' else ''}`.",
         "",
-        "## Against the targets of issue 14",
+        "## Against the targets (issues 14 and 25)",
         "",
         "| workload | ours | etcd's recipe | ours/etcd | target | met |",
         "|---|--:|--:|--:|---|---|",
@@ -493,10 +550,13 @@ def markdown(rows: list[Row], runs: list[RunResult], meta: dict[str, Any]) -> st
             f"| {row.workload.title} | {_rate(row.ours)} | {_rate(row.etcd)} | {ratio} | "
             f"{row.workload.target} | {_met(row)} |"
         )
-        if row.workload.name == "mq-batched" and row.ours is not None:
+        if row.workload.name in ("mq-64", "mq-batched") and row.ours is not None:
+            which = (
+                "the batched row" if row.workload.name == "mq-batched" else "the 64-producer row"
+            )
             etcd_us = row.etcd.server_us if row.etcd else None
             lines.append(
-                "| server CPU per message in the batched row (µs; etcd: per message of its "
+                f"| server CPU per message in {which} (µs; etcd: per message of its "
                 f"recipe) | {_num(row.ours.server_us)} | {_num(etcd_us)} | | µs per message "
                 f"(reported) | {'FAILED' if not row.ours.ok else 'reported'} |"
             )
@@ -573,114 +633,44 @@ def to_json(rows: list[Row], runs: list[RunResult], meta: dict[str, Any]) -> dic
 # --- main ----------------------------------------------------------------------------------
 
 
-def build_tool(out_dir: Path) -> Path:
-    """Build the driver with scripts/build_queue_bench.sh into out_dir."""
-    out = out_dir / "queue-bench"
-    log(f"building the driver: {BUILD_SCRIPT} {out}")
-    r = subprocess.run(
-        ["bash", str(BUILD_SCRIPT), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=BUILD_TIMEOUT,
-        check=False,
-    )
-    if r.returncode != 0 or not out.exists():
-        raise RuntimeError(f"building the driver failed ({r.returncode}): {r.stderr[-2000:]}")
-    return out
-
-
-def go_version() -> str:
-    try:
-        r = subprocess.run(
-            ["go", "version"], capture_output=True, text=True, timeout=30, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return "?"
-    return r.stdout.strip().removeprefix("go version ") or "?"
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.queue_tool",
         description="The queue workloads on queue-server and etcd, driven by tools/queue-bench.",
     )
-    p.add_argument("--quick", action="store_true", help="small counts (well under a minute)")
-    p.add_argument(
-        "--workloads",
-        default=",".join(WORKLOADS_BY_NAME),
-        help=f"comma-separated, from {','.join(WORKLOADS_BY_NAME)} (default: all)",
-    )
-    p.add_argument("--tool", type=Path, default=None, help="a built driver (default: build one)")
-    p.add_argument("--no-etcd", action="store_true", help="run on our server only")
-    p.add_argument("--etcd", default=None, help="the etcd binary (default: etcd on PATH)")
-    p.add_argument(
-        "--ours-dir",
-        type=Path,
-        default=REPO_ROOT,
-        help="run our server from this checkout instead of this one",
-    )
-    p.add_argument("--md", type=Path, default=None, help="write the Markdown report here")
-    p.add_argument("--json", type=Path, default=None, help="write the JSON results here")
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=None,
-        help=f"the driver's bound on each measured phase, seconds (default "
-        f"{QUICK_DRIVER_TIMEOUT:.0f} quick, {FULL_DRIVER_TIMEOUT:.0f} full)",
+    add_common_args(
+        p,
+        QUICK_DRIVER_TIMEOUT,
+        FULL_DRIVER_TIMEOUT,
+        workloads=list(WORKLOADS_BY_NAME),
+        quick_help="small counts (well under a minute)",
+        etcd_optional=True,
+        timeout_help="the driver's bound on each measured phase, seconds",
     )
     args = p.parse_args(argv)
     args.workload_list = chosen_workloads(p, args.workloads, WORKLOADS_BY_NAME)
-    if args.tool is not None and not args.tool.exists():
-        p.error(f"no driver at {args.tool}; build one: bash {BUILD_SCRIPT} OUT")
-    if args.tool is None and shutil.which("go") is None:
-        p.error("no go on PATH to build the driver (apt-get install golang-go), and no --tool")
-    args.etcdctl = shutil.which("etcdctl")
-    if not args.etcdctl:
-        p.error("no etcdctl on PATH (apt-get install etcd-client): it checks server readiness")
-    if args.no_etcd:
-        args.etcd = None
-    else:
-        args.etcd = args.etcd or shutil.which("etcd")
-        if not args.etcd:
-            p.error("no etcd binary (apt-get install etcd-server, --etcd PATH, or --no-etcd)")
-    args.ours_dir = Path(args.ours_dir).resolve()
-    if not (args.ours_dir / "queue_server" / "cli.py").exists():
-        p.error(f"no queue_server/cli.py in --ours-dir {args.ours_dir}")
-    if args.timeout is None:
-        args.timeout = QUICK_DRIVER_TIMEOUT if args.quick else FULL_DRIVER_TIMEOUT
+    resolve_common_args(
+        p,
+        args,
+        QUICK_DRIVER_TIMEOUT,
+        FULL_DRIVER_TIMEOUT,
+        need_tool=False,
+        need_queue_tool=True,
+    )
     if not args.quick:
-        args.md = args.md or DOCS_MD
+        args.out = args.out or DOCS_MD
         args.json = args.json or DOCS_JSON
     return args
 
 
-def _stop_on_sigterm(signum: int, _frame: object) -> None:
-    """SIGTERM unwinds like Ctrl-C, so the `finally` blocks stop the driver and the server."""
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
-    mode = "quick" if args.quick else "full"
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     started = time.monotonic()
-    build_dir: Path | None = None
-    try:
-        if args.tool is None:
-            build_dir = Path(tempfile.mkdtemp(prefix="queue-tool-build-"))
-            args.tool = build_tool(build_dir)
-        meta: dict[str, Any] = {
-            "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
-            "mode": mode,
-            "cpus": os.cpu_count(),
-            "etcd_version": etcd_version(args.etcd) if args.etcd else "not run",
-            "etcd": args.etcd,
-            "commit": git_commit(args.ours_dir),
-            "ours_dir": str(args.ours_dir),
-            "go": go_version(),
-            "python": sys.version.split()[0],
-            "load_average_at_start": list(os.getloadavg()),
-        }
+    with queue_bench(args):
+        meta = run_meta(args)
+        meta["go"] = go_version()
+        meta["queue_tool"] = str(args.queue_tool)
         # etcd's recipe run is the baseline of every row that compares with it: run it once.
         cache: dict[tuple[str, str], RunResult] = {}
         runs: list[RunResult] = []
@@ -699,10 +689,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.append(Row(wl, ours, etcd))
         meta["duration_s"] = round(time.monotonic() - started, 1)
         md = markdown(rows, runs, meta)
-        if args.md:
-            args.md.parent.mkdir(parents=True, exist_ok=True)
-            args.md.write_text(md)
-            log(f"wrote {args.md}")
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(md)
+            log(f"wrote {args.out}")
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(to_json(rows, runs, meta), indent=2) + "\n")
@@ -714,9 +704,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         log(f"done in {time.monotonic() - started:.0f}s")
         return 0
-    finally:
-        if build_dir is not None:
-            shutil.rmtree(build_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

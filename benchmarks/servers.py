@@ -1,236 +1,186 @@
-"""The servers under test: start/stop our server and etcd, measure them via psutil.
+"""The server processes every benchmark harness runs: ours and etcd, alone or as cluster members.
 
-Each server listens on a free 127.0.0.1 port, keeps its data in a fresh temporary
-directory, logs to a file, and is stopped by its own pid (SIGTERM, then SIGKILL if
-it does not exit). Readiness is awaited by calling Maintenance.Status until it
-answers, bounded in time. `ResourceMonitor` samples the server's CPU time and RSS
-(including any child processes) during a workload's timed window.
+What it owns: free 127.0.0.1 ports (`free_port`); one server process (`Server`, with
+`OursServer` running `python -m queue_server.cli` from a checkout and `EtcdServer` running an
+etcd binary) in its own data directory, launched in a session of its own, ready once it answers
+`etcdctl endpoint health` (bounded), stopped by its own pid (SIGTERM, SIGKILL after a bounded
+wait) or killed by it; the peer flags of a cluster member (`Membership`); and the CPU and memory
+figures read from /proc (`process_tree_cpu`, `process_tree_rss`, `machine_busy_cpu`,
+`children_cpu`). Also what a report says about the binaries: `git_commit`, `etcd_version`.
 
-A `Target` is what a suite's workloads run against: one `BenchServer` process, or
-a `BenchCluster` of members of one kind started together with one
---initial-cluster on loopback peer ports (the cluster suite). A cluster is ready
-when every member answers Status and all of them name the same leader.
-
-This module stands alone on purpose (the harness does not import tests/): the
-free-port and readiness logic is a small copy of tests/support/processes.py.
+`benchmarks.etcd_tool`, `queue_tool`, `cluster_tool` and `keyspace_tool` use it, and so do the
+tests that need a free port. It needs only the standard library; it imports nothing from tests/.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
+import random
+import resource
 import signal
+import socket
 import subprocess
 import sys
-import threading
 import time
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-import psutil  # type: ignore[import-untyped,unused-ignore]
-
-from benchmarks.etcd_tool import free_port
-from etcdserverpb import rpc_pb2, rpc_pb2_grpc
-
+REPO_ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT = 30.0
 STOP_TIMEOUT = 15.0
-LEADER_TIMEOUT = 30.0
-"""How long a cluster may take to agree on one leader."""
-CLUSTER_TOKEN = "bench"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+OTHER_CPU_WARN = 0.25
+"""Cores' worth of CPU used by other processes during a run above which the run is flagged."""
 
 
-def wait_ready(
-    endpoint: str, proc: subprocess.Popen[bytes], timeout: float = READY_TIMEOUT
-) -> None:
-    """Block until the server at `endpoint` answers Status; raise if it exits or
-    does not answer within `timeout`."""
-    deadline = time.monotonic() + timeout
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"exited with code {proc.returncode} before it was ready")
-        with grpc.insecure_channel(endpoint) as ch:
-            try:
-                grpc.channel_ready_future(ch).result(timeout=1.0)
-                rpc_pb2_grpc.MaintenanceStub(ch).Status(rpc_pb2.StatusRequest(), timeout=2.0)
-                return
-            except (grpc.FutureTimeoutError, grpc.RpcError) as e:
-                last = e
-                time.sleep(0.05)
-    raise TimeoutError(f"not ready after {timeout:.0f}s: {last}")
+def log(msg: str) -> None:
+    print(f"[servers {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def etcd_binary(explicit: str | None = None) -> str | None:
-    """The etcd binary to compare against: `explicit`, else `etcd` on PATH."""
-    if explicit:
-        return explicit if Path(explicit).exists() else shutil.which(explicit)
-    return shutil.which("etcd")
+LISTEN_PORTS_FROM = 20_000
+"""Listeners of tests and benchmarks get a port from here up to the kernel's
+ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`, 32768-60999 here).
+A port the kernel hands out for bind(0) comes from that range, and between
+picking it and the server binding it the kernel may give the same port to some
+outgoing connection as its source port: a member starting up dialling its peers
+did exactly that now and then, and the member told to listen there exited."""
+_picked: deque[int] = deque(maxlen=4096)
+"""Ports handed out lately by this process: not handed out again while their
+server may still be starting."""
+_pick = random.Random()
 
 
-def etcd_version(binary: str | None) -> str | None:
-    if not binary:
-        return None
+def _ephemeral_low() -> int:
     try:
-        out = subprocess.run(
-            [binary, "--version"], capture_output=True, text=True, timeout=10, check=False
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired):
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on, below the ephemeral range
+    (see LISTEN_PORTS_FROM); bind(0)'s choice where that range leaves no room."""
+    high = _ephemeral_low()
+    for _ in range(200 if high - LISTEN_PORTS_FROM > 1000 else 0):
+        port = _pick.randrange(LISTEN_PORTS_FROM, high)
+        if port in _picked:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _picked.append(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --- CPU time from /proc -------------------------------------------------------------------
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (field 3 onwards)."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
         return None
-    for line in out.splitlines():
-        if line.lower().startswith("etcd version:"):
-            return line.split(":", 1)[1].strip()
-    return out.strip().splitlines()[0] if out.strip() else None
+    return raw[raw.rfind(")") + 2 :].split()
 
 
-class Target(ABC):
-    """What a suite's workloads run against: one server process, or a cluster."""
-
-    kind: str  # "ours" or "etcd"
-
-    @property
-    @abstractmethod
-    def endpoint(self) -> str:
-        """host:port a client connects to (for a cluster: one of its live members)."""
-
-    @property
-    @abstractmethod
-    def pid(self) -> int: ...
-
-    @property
-    def pids(self) -> list[int]:
-        """Every process whose CPU and RSS count as the server's."""
-        return [self.pid]
-
-    def describe(self) -> str:
-        """Where it listens and its pid(s), for progress lines."""
-        return f"{self.endpoint} (pid {self.pid})"
-
-    def pid_text(self) -> str:
-        pids = self.pids
-        return f"pid {pids[0]}" if len(pids) == 1 else f"pids {', '.join(map(str, pids))}"
-
-    def start(self) -> None:
-        self.launch()
-        self.await_ready()
-
-    @abstractmethod
-    def launch(self) -> None:
-        """Start the process(es), without waiting until they answer."""
-
-    @abstractmethod
-    def await_ready(self) -> None:
-        """Wait (bounded) until it serves; stop what was launched and raise if not."""
-
-    @abstractmethod
-    def stop(self) -> None: ...
-
-    @abstractmethod
-    def alive(self) -> bool: ...
-
-    @abstractmethod
-    def exit_code(self) -> int | None: ...
-
-    @abstractmethod
-    def log_tail(self, lines: int = 20) -> str: ...
+def _descendants(root: int) -> list[int]:
+    """`root` and every live descendant of it."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        fields = _stat_fields(int(entry))
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found: list[int] = []
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
 
 
-class BenchServer(Target):
-    """One server process under test."""
+def process_tree_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of `pid` and its descendants, each counted once: a live
+    process by its own times, a reaped one through its parent's cutime/cstime."""
+    ticks = 0
+    for p in _descendants(pid):
+        fields = _stat_fields(p)
+        if fields is not None:
+            # fields[11..14] are utime, stime, cutime, cstime (stat fields 14..17)
+            ticks += sum(int(x) for x in fields[11:15])
+    return ticks / CLK_TCK
 
-    def __init__(self, data_dir: Path, log_path: Path) -> None:
-        self.data_dir = data_dir
-        self.log_path = log_path
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
 
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
-    @property
-    def pid(self) -> int:
-        if self.proc is None:
-            raise RuntimeError(f"{self.kind} server not started")
-        return self.proc.pid
 
-    @abstractmethod
-    def command(self) -> list[str]: ...
-
-    def launch(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.command(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=REPO_ROOT,
-                env=os.environ.copy(),
-            )
-
-    def await_ready(self) -> None:
-        if self.proc is None:
-            raise RuntimeError(f"{self.kind} server not launched")
+def process_tree_rss(pid: int) -> int:
+    """Resident bytes of `pid` and its live descendants (/proc/<pid>/statm), 0 once gone."""
+    total = 0
+    for p in _descendants(pid):
         try:
-            wait_ready(self.endpoint, self.proc)
-        except BaseException:
-            self.stop()
-            raise
+            total += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * PAGE_SIZE
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
 
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
-    def exit_code(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
+def machine_busy_cpu() -> float:
+    """CPU seconds all CPUs of the machine have spent busy (not idle, not iowait)."""
+    try:
+        first = Path("/proc/stat").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in first[1:9])
+    return (user + nice + system + irq + softirq + steal) / CLK_TCK
 
-    def stop(self) -> None:
-        """SIGTERM our process by pid, wait, SIGKILL if it hangs."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=STOP_TIMEOUT)
 
-    def kill(self) -> None:
-        """SIGKILL our process by pid (a crash, as the failover workload wants it)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.kill()
-        self.proc.wait(timeout=STOP_TIMEOUT)
+def children_cpu() -> float:
+    """CPU seconds of this process's reaped children (the tool, once it is waited for)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+
+# --- servers -------------------------------------------------------------------------------
+
+
+class StartupRejected(RuntimeError):
+    """The server exited before it was ready; `log_text` says why."""
+
+    def __init__(self, msg: str, log_text: str) -> None:
+        super().__init__(msg)
+        self.log_text = log_text
 
 
 @dataclass(frozen=True)
 class Membership:
-    """A member's place in a cluster bootstrapped with one --initial-cluster."""
+    """A server as one member of a cluster on loopback: its name, its peer port, and every
+    member's `name=peer-url` (the same flags for ours and for etcd)."""
 
     name: str
     peer_port: int
     initial_cluster: str
-    """name=http://127.0.0.1:port,... of every member."""
+    token: str = "bench-cluster"
 
     @property
     def peer_url(self) -> str:
         return f"http://127.0.0.1:{self.peer_port}"
 
-    def flags(self) -> list[str]:
-        """The peer flags, the same for our server and etcd."""
+    def args(self) -> list[str]:
         return [
+            "--name",
+            self.name,
             "--listen-peer-urls",
             self.peer_url,
             "--initial-advertise-peer-urls",
@@ -238,303 +188,233 @@ class Membership:
             "--initial-cluster",
             self.initial_cluster,
             "--initial-cluster-token",
-            CLUSTER_TOKEN,
-            "--initial-cluster-state",
-            "new",
+            self.token,
         ]
 
 
-class OursServer(BenchServer):
-    """Our server, `python -m queue_server.cli`, with its default settings (alone,
-    or as a member of a cluster)."""
-
-    kind = "ours"
-
-    def __init__(
-        self, data_dir: Path, log_path: Path, membership: Membership | None = None
-    ) -> None:
-        super().__init__(data_dir, log_path)
-        self.membership = membership
-
-    def command(self) -> list[str]:
-        url = f"http://{self.endpoint}"
-        m = self.membership
-        return [
-            sys.executable,
-            "-m",
-            "queue_server.cli",
-            "--name",
-            m.name if m else "bench",
-            "--data-dir",
-            str(self.data_dir),
-            "--listen-client-urls",
-            url,
-            "--advertise-client-urls",
-            url,
-            *(m.flags() if m else []),
-        ]
+def single_member(name: str) -> Membership:
+    """A cluster of one (what etcd needs for its own peer flags when it runs alone)."""
+    port = free_port()
+    return Membership(name, port, f"{name}=http://127.0.0.1:{port}")
 
 
-class EtcdServer(BenchServer):
-    """A real etcd with its default settings, on loopback URLs: a single member, or
-    a member of a cluster."""
+class Server:
+    """One server process under test, on a free loopback port, data in `work_dir`."""
 
-    kind = "etcd"
-
-    def __init__(
-        self, data_dir: Path, log_path: Path, binary: str, membership: Membership | None = None
-    ) -> None:
-        super().__init__(data_dir, log_path)
-        self.binary = binary
-        self.membership = membership
-        self.peer_port = membership.peer_port if membership else free_port()
-
-    def command(self) -> list[str]:
-        url = f"http://{self.endpoint}"
-        client = [
-            self.binary,
-            "--name",
-            self.membership.name if self.membership else "bench",
-            "--data-dir",
-            str(self.data_dir),
-            "--listen-client-urls",
-            url,
-            "--advertise-client-urls",
-            url,
-        ]
-        if self.membership:
-            return [*client, *self.membership.flags()]
-        peer = f"http://127.0.0.1:{self.peer_port}"
-        return [
-            *client,
-            "--listen-peer-urls",
-            peer,
-            "--initial-advertise-peer-urls",
-            peer,
-            "--initial-cluster",
-            f"bench={peer}",
-        ]
-
-
-MemberFactory = Callable[[Path, Path, Membership], BenchServer]
-"""(data dir, log path, membership) -> a member not yet started."""
-
-
-class BenchCluster(Target):
-    """`size` members of one kind (n1, n2, ...), bootstrapped together on loopback.
-
-    `start` launches every member, waits until each answers Status and then until
-    all of them name the same leader (bounded). CPU and RSS count every member
-    (`pids`). A member the failover workload kills (`kill`) is left out of
-    `alive`, `pids` and `endpoint` from then on.
-    """
-
-    def __init__(
-        self,
-        kind: str,
-        data_dir: Path,
-        log_dir: Path,
-        log_stem: str,
-        make: MemberFactory,
-        size: int,
-    ) -> None:
+    def __init__(self, kind: str, work_dir: Path, etcdctl: str) -> None:
         self.kind = kind
-        names = [f"n{i + 1}" for i in range(size)]
-        ports = {name: free_port() for name in names}
-        initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in ports.items())
-        self.members: list[BenchServer] = [
-            make(data_dir / n, log_dir / f"{log_stem}-{n}.log", Membership(n, ports[n], initial))
-            for n in names
-        ]
-        self._names = dict(zip(self.members, names, strict=True))
-        self.killed: list[BenchServer] = []
-        self._ids: dict[int, BenchServer] = {}
-        self._leader: BenchServer | None = None
-
-    def name_of(self, member: BenchServer) -> str:
-        return self._names.get(member, "?")
-
-    @property
-    def member_ids(self) -> dict[int, BenchServer]:
-        """Raft member id (Status header.member_id) -> member, known once started."""
-        return dict(self._ids)
-
-    def live(self) -> list[BenchServer]:
-        """The members the harness has not killed."""
-        return [m for m in self.members if m not in self.killed]
+        self.work_dir = work_dir
+        self.etcdctl = etcdctl
+        self.port = free_port()
+        self.log_path = work_dir / f"{kind}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.cwd = REPO_ROOT
+        self.env = dict(os.environ)
 
     @property
     def endpoint(self) -> str:
-        live = self.live()
-        return (live or self.members)[0].endpoint
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.endpoint}"
 
     @property
     def pid(self) -> int:
-        return (self.live() or self.members)[0].pid
+        if self.proc is None:
+            raise RuntimeError(f"{self.kind} not started")
+        return self.proc.pid
 
-    @property
-    def pids(self) -> list[int]:
-        return [m.pid for m in self.live() if m.proc is not None]
+    def command(self) -> list[str]:
+        raise NotImplementedError
 
-    def pid_text(self) -> str:
-        return "pids " + ", ".join(str(m.pid) for m in self.members if m.proc is not None)
-
-    def describe(self) -> str:
-        where = ", ".join(f"{self.name_of(m)} {m.endpoint}" for m in self.members)
-        leader = f", leader {self.name_of(self._leader)}" if self._leader else ""
-        return f"{len(self.members)} members ({where}; {self.pid_text()}){leader}"
+    def start(self) -> None:
+        """Launch, and wait until it answers `etcdctl endpoint health` (stopped if it does not)."""
+        self.launch()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
 
     def launch(self) -> None:
-        try:
-            for m in self.members:
-                m.launch()
-        except BaseException:
-            self.stop()
-            raise
-
-    def await_ready(self) -> None:
-        try:
-            for m in self.members:
-                m.await_ready()
-            for m in self.members:
-                self._ids[self.status(m).header.member_id] = m
-            self.wait_leader()
-        except BaseException:
-            self.stop()
-            raise
-
-    @staticmethod
-    def status(member: BenchServer, timeout: float = 2.0) -> rpc_pb2.StatusResponse:
-        with grpc.insecure_channel(member.endpoint) as ch:
-            resp: rpc_pb2.StatusResponse = rpc_pb2_grpc.MaintenanceStub(ch).Status(
-                rpc_pb2.StatusRequest(), timeout=timeout
+        """Start the process without waiting for it to serve: the members of a cluster are all
+        launched before any can answer health (which needs a leader). A relaunch (after
+        `kill`) keeps the ports and the data dir and appends to the same log."""
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=self.cwd,
+                env=self.env,
+                start_new_session=True,
             )
-            return resp
 
-    def wait_leader(self, timeout: float = LEADER_TIMEOUT) -> BenchServer:
-        """The member every live member names as leader, once they agree (bounded)."""
+    def etcdctl_run(self, *args: str, timeout: float = 5.0) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "ETCDCTL_API": "3"}
+        return subprocess.run(
+            [self.etcdctl, f"--endpoints={self.endpoint}", "--command-timeout=3s", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            check=False,
+        )
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         last = ""
         while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise StartupRejected(
+                    f"{self.kind} exited with code {self.proc.returncode} before it was ready",
+                    self.log_tail(),
+                )
             try:
-                leaders = {self.status(m).leader for m in self.live()}
-            except grpc.RpcError as e:
-                last = f"Status failed: {e}"
+                r = self.etcdctl_run("endpoint", "health")
+            except subprocess.TimeoutExpired:
+                last = "etcdctl endpoint health timed out"
             else:
-                found = self._ids.get(next(iter(leaders))) if len(leaders) == 1 else None
-                if found is not None and found not in self.killed:
-                    self._leader = found
-                    return found
-                last = f"members name {sorted(f'{x:x}' for x in leaders)}"
-            for m in self.live():
-                if not m.alive():
-                    raise RuntimeError(f"member {self.name_of(m)} exited with code {m.exit_code()}")
-            time.sleep(0.05)  # a poll interval, bounded by the deadline
-        raise TimeoutError(f"no single leader after {timeout:.0f}s: {last}")
+                if r.returncode == 0:
+                    return
+                last = (r.stderr or r.stdout).strip()
+            time.sleep(0.1)  # poll interval, bounded by the deadline
+        raise TimeoutError(f"{self.kind} not ready after {timeout:.0f}s: {last}")
 
-    def followers(self, leader: BenchServer) -> list[BenchServer]:
-        return [m for m in self.live() if m is not leader]
+    def stop(self, timeout: float = STOP_TIMEOUT) -> None:
+        """SIGTERM by pid, wait (up to `timeout`), then SIGKILL by pid."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log(f"{self.kind} (pid {self.proc.pid}) ignored SIGTERM; sending SIGKILL")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=STOP_TIMEOUT)
 
-    def kill(self, member: BenchServer) -> None:
-        """SIGKILL one member by its pid; it stays dead until the cluster stops."""
-        self.killed.append(member)
-        member.kill()
+    def kill(self) -> None:
+        """SIGKILL by pid (a crash: no clean shutdown), and reap it (bounded)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=STOP_TIMEOUT)
 
+    @property
     def alive(self) -> bool:
-        return all(m.alive() for m in self.live())
+        return self.proc is not None and self.proc.poll() is None
 
-    def exit_code(self) -> int | None:
-        return next((m.exit_code() for m in self.live() if not m.alive()), None)
-
-    def stop(self) -> None:
-        errors: list[BaseException] = []
-        for m in self.members:
-            try:
-                m.stop()
-            except Exception as e:  # stop the others anyway
-                errors.append(e)
-        if errors:
-            raise errors[0]
-
-    def log_tail(self, lines: int = 20) -> str:
-        per = max(lines // max(len(self.members), 1), 5)
-        return "\n".join(f"--- {self.name_of(m)} ---\n{m.log_tail(per)}" for m in self.members)
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
 
 
-def ours_cluster(data_dir: Path, log_dir: Path, log_stem: str, size: int) -> BenchCluster:
-    return BenchCluster(
-        "ours", data_dir, log_dir, log_stem, lambda d, log, m: OursServer(d, log, m), size
-    )
+class OursServer(Server):
+    def __init__(
+        self,
+        work_dir: Path,
+        etcdctl: str,
+        transport: str | None,
+        source: Path = REPO_ROOT,
+        membership: Membership | None = None,
+    ) -> None:
+        """Without `membership`, a single member on its local log."""
+        super().__init__("ours", work_dir, etcdctl)
+        self.transport = transport
+        self.membership = membership
+        # Run the queue_server package found in `source` (a checkout), ahead of any install.
+        self.cwd = source
+        self.env["PYTHONPATH"] = os.pathsep.join(
+            [str(source), *filter(None, [os.environ.get("PYTHONPATH")])]
+        )
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "queue_server.cli",
+            "--data-dir",
+            str(self.work_dir / "ours-data"),
+            "--listen-client-urls",
+            self.url,
+            "--advertise-client-urls",
+            self.url,
+        ]
+        if self.transport is not None:
+            cmd += ["--grpc-transport", self.transport]
+        if self.membership is not None:
+            cmd += self.membership.args()
+        return cmd
 
 
-def etcd_cluster(
-    data_dir: Path, log_dir: Path, log_stem: str, size: int, binary: str
-) -> BenchCluster:
-    return BenchCluster(
-        "etcd", data_dir, log_dir, log_stem, lambda d, log, m: EtcdServer(d, log, binary, m), size
-    )
+class EtcdServer(Server):
+    def __init__(
+        self, work_dir: Path, etcdctl: str, binary: str, membership: Membership | None = None
+    ) -> None:
+        """Without `membership`, a cluster of one named `bench`. etcd's own defaults otherwise
+        (heartbeat 100 ms, election timeout 1000 ms, as ours)."""
+        super().__init__("etcd", work_dir, etcdctl)
+        self.binary = binary
+        self.membership = membership or single_member("bench")
+
+    def command(self) -> list[str]:
+        return [
+            self.binary,
+            "--data-dir",
+            str(self.work_dir / "etcd-data"),
+            "--listen-client-urls",
+            self.url,
+            "--advertise-client-urls",
+            self.url,
+            *self.membership.args(),
+        ]
 
 
-class ResourceMonitor:
-    """CPU seconds and peak RSS of a server process (and its children) over a window;
-    given several pids (a cluster's members), their sums.
+# --- what a report says about the binaries -------------------------------------------------
 
-    `start()` snapshots the CPU times and starts a sampling thread for RSS;
-    `stop()` returns (CPU seconds spent since start, peak RSS in MB).
-    """
 
-    def __init__(self, pid: int | Sequence[int], interval: float = 0.05) -> None:
-        self.pids = [pid] if isinstance(pid, int) else list(pid)
-        self.interval = interval
-        self._cpu0 = 0.0
-        self._cpu_seen: dict[int, float] = {}
-        self._peak = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+def git_commit(repo: Path) -> str:
+    try:
+        r = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    dirty = ""
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        st = subprocess.run(
+            ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+        dirty = "+dirty" if st.stdout.strip() else ""
+    return (r.stdout.strip() or "?") + dirty
 
-    def _processes(self) -> list[psutil.Process]:
-        found: list[psutil.Process] = []
-        for pid in self.pids:
-            try:
-                root = psutil.Process(pid)
-                found += [root, *root.children(recursive=True)]
-            except psutil.Error:
-                continue
-        return found
 
-    def _cpu(self) -> float:
-        """CPU seconds of the processes, each as last seen: a process that died in
-        the window (a killed member) keeps what it had used."""
-        for p in self._processes():
-            with contextlib.suppress(psutil.Error):
-                t = p.cpu_times()
-                self._cpu_seen[p.pid] = float(t.user + t.system)
-        return sum(self._cpu_seen.values())
-
-    def _rss(self) -> int:
-        total = 0
-        for p in self._processes():
-            with contextlib.suppress(psutil.Error):
-                total += int(p.memory_info().rss)
-        return total
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._peak = max(self._peak, self._rss())
-            if len(self.pids) > 1:
-                self._cpu()  # keeps each member's CPU as last seen
-
-    def start(self) -> None:
-        self._cpu_seen.clear()
-        self._cpu0 = self._cpu()
-        self._peak = self._rss()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._sample, name="rss-sampler", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> tuple[float, float]:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self._peak = max(self._peak, self._rss())
-        return max(self._cpu() - self._cpu0, 0.0), self._peak / (1024 * 1024)
+def etcd_version(binary: str) -> str:
+    try:
+        out = subprocess.run(
+            [binary, "--version"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    for line in out.splitlines():
+        if line.lower().startswith("etcd version:"):
+            return line.split(":", 1)[1].strip()
+    return "?"

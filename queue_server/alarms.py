@@ -31,7 +31,8 @@ class AlarmTable:
 
     @property
     def no_space(self) -> bool:
-        return any(alarm == NOSPACE for _, alarm in self.active)
+        # asked on every apply: no generator while no alarm is active at all
+        return bool(self.active) and any(alarm == NOSPACE for _, alarm in self.active)
 
     def get(self, alarm: int = NONE) -> list[tuple[int, int]]:
         return sorted(a for a in self.active if alarm == NONE or a[1] == alarm)

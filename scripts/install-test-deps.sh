@@ -41,7 +41,7 @@ etcdctl version | sed -n 1p
 etcd --version | sed -n 1p
 
 echo "== python packages"
-"$python" -m pip install -q --disable-pip-version-check -e '.[test,bench]'
+"$python" -m pip install -q --disable-pip-version-check -e '.[test]'
 # Patroni 4.x (nested txns, raft_term checks) for tests/integration/test_patroni.py: pure Python, outside
 # /root so the unprivileged user that runs PostgreSQL can read it; its dependencies are Debian's (above).
 PATRONI4=4.1.5

@@ -334,12 +334,15 @@ class LocalLog:
         payload = command.SerializeToString()
         if too_large(command, payload, self.max_request_bytes):
             raise RequestTooLarge()
-        loop = asyncio.get_running_loop()
+        # The flusher runs on the proposers' loop; asking it is cheaper than
+        # get_running_loop(), which makes a getpid() system call each time.
+        flusher = self._flusher
+        loop = flusher.get_loop() if flusher is not None else asyncio.get_running_loop()
         self._next_index += 1
         future: asyncio.Future[ApplyResult] = loop.create_future()
         index = self._next_index
         self._pending.append(_Proposal(index, command, self.wal.encode(index, payload), future))
-        if self._flusher is None:
+        if flusher is None:
             self._flusher = loop.create_task(self._flush())
         return await future
 

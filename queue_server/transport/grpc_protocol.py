@@ -158,7 +158,6 @@ class NativeCall:
 
     __slots__ = (
         "_conn",
-        "_deadline",
         "_headers",
         "_inbuf",
         "_messages",
@@ -166,7 +165,7 @@ class NativeCall:
         "_remote_done",
         "_write_waiter",
         "closed",
-        "deadline_handle",
+        "deadline",
         "headers_sent",
         "method",
         "stream_error",
@@ -186,7 +185,8 @@ class NativeCall:
         self.stream_id = stream_id
         self.method = method
         self._headers = headers
-        self._deadline = deadline
+        self.deadline = deadline
+        """When the call's grpc-timeout runs out (the loop's clock), or None."""
         self._inbuf = bytearray()
         self._messages: deque[bytes] = deque()
         self._read_waiter: asyncio.Future[None] | None = None
@@ -196,7 +196,6 @@ class NativeCall:
         self.headers_sent = False
         self.stream_error: RpcError | None = None
         self.task: asyncio.Task[None] | None = None
-        self.deadline_handle: asyncio.TimerHandle | None = None
 
     # -- the Call interface --------------------------------------------------
 
@@ -214,9 +213,9 @@ class NativeCall:
         return self._conn.common_name
 
     def time_remaining(self) -> float | None:
-        if self._deadline is None:
+        if self.deadline is None:
             return None
-        return max(0.0, self._deadline - self._conn.loop.time())
+        return max(0.0, self.deadline - self._conn.loop.time())
 
     async def abort(self, code: Status, message: str) -> NoReturn:
         raise RpcError(code, message)
@@ -363,6 +362,9 @@ class GrpcConnection(asyncio.Protocol):
         self._preface_timer: asyncio.TimerHandle | None = None
         self._keepalive_timer: asyncio.TimerHandle | None = None
         self._ping_timer: asyncio.TimerHandle | None = None
+        self._deadline_timer: asyncio.TimerHandle | None = None
+        """One timer for every call's deadline: armed at the earliest (see `_expire_due`)."""
+        self._deadline_at = 0.0
         self.idle = asyncio.Event()
         self.idle.set()
         self._sniffing = settings.gateway is not None
@@ -423,7 +425,12 @@ class GrpcConnection(asyncio.Protocol):
             call.wake_writer()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for timer in (self._preface_timer, self._keepalive_timer, self._ping_timer):
+        for timer in (
+            self._preface_timer,
+            self._keepalive_timer,
+            self._ping_timer,
+            self._deadline_timer,
+        ):
             if timer is not None:
                 timer.cancel()
         calls = list(self.calls.values())
@@ -562,8 +569,8 @@ class GrpcConnection(asyncio.Protocol):
         call = NativeCall(self, stream_id, method, headers, deadline)
         self.calls[stream_id] = call
         self.idle.clear()
-        if deadline is not None:
-            call.deadline_handle = self.loop.call_at(deadline, self._expire, call)
+        if deadline is not None and (self._deadline_timer is None or deadline < self._deadline_at):
+            self._arm_deadline(deadline)
         if method.request_streaming:
             call.task = self.loop.create_task(self._serve(call, call))
             if end_stream:
@@ -726,14 +733,35 @@ class GrpcConnection(asyncio.Protocol):
         unread = call.discard_unread()
         if unread:  # never read, but the client's window must not shrink for good
             self.h2.consumed(call.stream_id, unread)
-        if call.deadline_handle is not None:
-            call.deadline_handle.cancel()
-            call.deadline_handle = None
         call.wake_reader()
         call.wake_writer()
 
+    def _arm_deadline(self, when: float) -> None:
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+        self._deadline_at = when
+        self._deadline_timer = self.loop.call_at(when, self._expire_due)
+
+    def _expire_due(self) -> None:
+        """End the calls whose deadline has passed, and arm the timer at the
+        next one. Most calls end long before their deadline (grpc-go clients
+        send one with every call), so they cost no timer of their own: the
+        timer fires about once per deadline's length, not once per call."""
+        self._deadline_timer = None
+        now = self.loop.time()
+        following: float | None = None
+        for call in list(self.calls.values()):
+            deadline = call.deadline
+            if deadline is None:
+                continue
+            if deadline <= now:
+                self._expire(call)
+            elif following is None or deadline < following:
+                following = deadline
+        if following is not None:
+            self._arm_deadline(following)
+
     def _expire(self, call: NativeCall) -> None:
-        call.deadline_handle = None
         if call.closed:
             return
         self._end(call, Status.DEADLINE_EXCEEDED, "context deadline exceeded")

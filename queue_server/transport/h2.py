@@ -281,6 +281,22 @@ def _check_trailers(headers: list[tuple[bytes, bytes]]) -> None:
             raise ValueError(name)
 
 
+_UNCHECKED = -2
+"""`_DecodedBlock.content_length` before the request's headers were checked."""
+
+
+class _DecodedBlock:
+    """A decoded header block, and once checked as a request's headers, the
+    content-length they declare (-1: none), so a remembered block is not
+    checked again."""
+
+    __slots__ = ("content_length", "headers")
+
+    def __init__(self, headers: list[tuple[bytes, bytes]]) -> None:
+        self.headers = headers
+        self.content_length = _UNCHECKED
+
+
 class H2Connection:
     """The server side of one HTTP/2 connection: frames in, frames out."""
 
@@ -308,7 +324,7 @@ class H2Connection:
         self.handshaken = False
         """The client's preface and first SETTINGS have arrived."""
         self._decoder = Decoder(max_header_list_size=limits.max_header_list_size)
-        self._decoded: dict[bytes, list[tuple[bytes, bytes]]] = {}
+        self._decoded: dict[bytes, _DecodedBlock] = {}
         self._first_block = True
         self._peer_initial_window = DEFAULT_WINDOW
         self._peer_max_frame = DEFAULT_MAX_FRAME
@@ -711,14 +727,15 @@ class H2Connection:
             self._header_block(sid, block, self._block_end_stream, self._block_bad_priority)
 
     def _header_block(self, sid: int, block: bytes, end_stream: bool, bad_priority: bool) -> None:
-        cached = self._decoded.get(block)
+        decoded = self._decoded.get(block)
         try:
-            headers = cached if cached is not None else self._decode(block)
+            if decoded is None:
+                decoded = self._decode(block)
         except OversizedHeaderListError:
             raise _ConnectionError(ErrorCode.ENHANCE_YOUR_CALM, "header list too large") from None
         except (HPACKError, IndexError, ValueError):
             raise _ConnectionError(ErrorCode.COMPRESSION_ERROR, "bad header block") from None
-        fields = headers
+        fields = decoded.headers
         stream = self.streams.get(sid)
         if stream is not None:  # trailers
             if stream.remote_closed:
@@ -745,10 +762,13 @@ class H2Connection:
             return  # after GOAWAY new streams are ignored (RFC 9113 6.8)
         if bad_priority:
             raise _StreamError(sid, ErrorCode.PROTOCOL_ERROR)
-        try:
-            content_length = _check_request_headers(fields)
-        except ValueError:
-            raise _StreamError(sid, ErrorCode.PROTOCOL_ERROR) from None
+        content_length = decoded.content_length
+        if content_length == _UNCHECKED:
+            try:
+                content_length = _check_request_headers(fields)
+            except ValueError:
+                raise _StreamError(sid, ErrorCode.PROTOCOL_ERROR) from None
+            decoded.content_length = content_length  # remembered with the block
         if len(self.streams) >= self.limits.max_concurrent_streams:
             if not self._resets.take():
                 raise _ConnectionError(ErrorCode.ENHANCE_YOUR_CALM, "too many refused streams")
@@ -761,22 +781,71 @@ class H2Connection:
         self.streams[sid] = stream
         self.events.request_headers(sid, fields, end_stream)
 
-    def _decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
+    def _decode(self, block: bytes) -> _DecodedBlock:
         """HPACK-decode `block`. A client sends the same bytes for the same call
         again and again (indexed fields into its unchanged dynamic table), so
         a block that left the table as it was is remembered until the table
-        next changes: decoding is then a dict lookup."""
-        entries = self._decoder.header_table.dynamic_entries
+        next changes: decoding is then a dict lookup. A block of indexed fields
+        only (the common one after the table changed: every index moved by
+        one) is read here without hpack's general decoder."""
+        decoder = self._decoder
+        entries = decoder.header_table.dynamic_entries
         size, newest = len(entries), entries[0] if entries else None
-        headers: list[tuple[bytes, bytes]] = self._decoder.decode(block, raw=True)  # type: ignore[assignment]
+        fields = self._indexed_only(block)
+        headers: list[tuple[bytes, bytes]] = (
+            decoder.decode(block, raw=True)  # type: ignore[assignment]
+            if fields is None
+            else fields
+        )
+        decoded = _DecodedBlock(headers)
         # An insertion puts a new tuple first (compared by identity: an equal
         # entry added again still shifts the others' indexes); evictions change
         # the length.
         if len(entries) != size or (entries[0] if entries else None) is not newest:
             self._decoded.clear()
         elif len(self._decoded) < DECODED_BLOCKS:
-            self._decoded[block] = headers
-        return headers
+            self._decoded[block] = decoded
+        return decoded
+
+    def _indexed_only(self, block: bytes) -> list[tuple[bytes, bytes]] | None:
+        """The fields of a block made only of indexed fields (RFC 7541 6.1),
+        which leave the table as it is; None for any other block, and for
+        anything hpack's decoder should judge (a bad index, a table over its
+        allowed size, a header list over its limit)."""
+        decoder = self._decoder
+        if decoder.header_table_size > decoder.max_allowed_table_size:
+            return None
+        get = decoder.header_table.get_by_index
+        limit = decoder.max_header_list_size
+        fields: list[tuple[bytes, bytes]] = []
+        total = 0
+        i, end = 0, len(block)
+        try:
+            while i < end:
+                first = block[i]
+                i += 1
+                if first < 0x80:
+                    return None
+                index = first & 0x7F
+                if index == 0x7F:  # the 7-bit prefix is full: continuation bytes follow
+                    shift = 0
+                    while True:
+                        octet = block[i]
+                        i += 1
+                        index += (octet & 0x7F) << shift
+                        if octet < 0x80:
+                            break
+                        shift += 7
+                        if shift > 21:
+                            return None
+                name, value = get(index)
+                total += len(name) + len(value) + 32
+                if total > limit:
+                    return None
+                fields.append((name, value))
+        except (HPACKError, IndexError):
+            return None
+        return fields
 
     def _on_priority(self, sid: int, payload: bytes) -> None:
         if sid == 0:

@@ -1,9 +1,9 @@
 """The Go queue driver (tools/queue-bench) and `python -m benchmarks.queue_tool`, tiny sizes.
 
 Builds the driver with scripts/build_queue_bench.sh, then runs the harness in quick mode on our
-server alone (`--no-etcd`) for the `mq` (single and batched) and `recipe` workloads: every run
-must pass the driver's delivery check (each message received once, none missing, nothing left in
-the queue). A driver run that cannot finish must fail loudly: non-zero exit, `ok` false and the
+server alone (`--no-etcd`) for the `mq` (8 and 64 producers, and batched) and `recipe`
+workloads: every run must pass the driver's delivery check (each message received once, none
+missing, nothing left in the queue). A driver run that cannot finish must fail loudly: non-zero exit, `ok` false and the
 reason in `failures`. No speed assertions.
 """
 
@@ -55,12 +55,12 @@ def test_quick_mq_and_recipe_on_ours(driver: Path, tmp_path: Path) -> None:
             "--quick",
             "--no-etcd",
             "--workloads",
-            "mq,mq-batched,recipe",
-            "--tool",
+            "mq,mq-64,mq-batched,recipe",
+            "--queue-tool",
             str(driver),
             "--json",
             str(json_path),
-            "--md",
+            "--out",
             str(md_path),
         ]
     )
@@ -68,7 +68,7 @@ def test_quick_mq_and_recipe_on_ours(driver: Path, tmp_path: Path) -> None:
     doc = json.loads(json_path.read_text())
     assert doc["meta"]["mode"] == "quick"
     runs = {r["run"]: r for r in doc["runs"]}
-    assert set(runs) == {"mq", "mq-batched", "recipe"}
+    assert set(runs) == {"mq", "mq-64", "mq-batched", "recipe"}
     for name, run in runs.items():
         assert run["server"] == "ours", name
         assert run["ok"], (name, run["error"])
@@ -83,6 +83,13 @@ def test_quick_mq_and_recipe_on_ours(driver: Path, tmp_path: Path) -> None:
         assert counts["produced"] == counts["received"] == out["count"] == total, (name, counts)
         assert out["per_second"] > 0
         assert out["server_cpu_us_per_unit"] is not None and out["server_cpu_us_per_unit"] > 0
+    wide = runs["mq-64"]["driver"]["params"]
+    assert (wide["producers"], wide["consumers"], wide["put_batch"], wide["ack_batch"]) == (
+        64,
+        8,
+        1,
+        1,
+    )
     assert runs["mq"]["driver"]["params"]["put_batch"] == 1
     assert runs["mq-batched"]["driver"]["params"]["put_batch"] == 16
     assert runs["mq-batched"]["driver"]["params"]["ack_batch"] == 16
@@ -91,7 +98,7 @@ def test_quick_mq_and_recipe_on_ours(driver: Path, tmp_path: Path) -> None:
     assert batched["produce_requests"] * 16 == batched["produced"]
     assert "claim_conflicts" in runs["recipe"]["driver"]["counts"]
     report = md_path.read_text()
-    assert "Against the targets of issue 14" in report
+    assert "Against the targets (issues 14 and 25)" in report
     assert "FAILED" not in report
 
 

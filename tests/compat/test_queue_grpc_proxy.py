@@ -28,7 +28,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from benchmarks.etcd_tool import free_port
+from benchmarks.servers import free_port
 from etcdserverpb import rpc_pb2, rpc_pb2_grpc
 from tests.integration.test_queue import (
     PUT,

@@ -355,6 +355,39 @@ async def test_server_enforces_grpc_timeout_itself() -> None:
     assert parked.time_remaining is not None and 0 < parked.time_remaining <= 0.2
 
 
+async def test_calls_of_one_connection_expire_each_at_its_own_deadline() -> None:
+    """One timer serves every deadline of a connection: a later call with an
+    earlier deadline ends first, the other at its own, and a call that
+    answered in time is not touched."""
+    parked = Parked()
+
+    async def answer(request: rpc_pb2.RangeRequest, call: Call) -> rpc_pb2.RangeResponse:
+        return rpc_pb2.RangeResponse(count=7)
+
+    async with (
+        serving(method("Park", parked.unary), method("Unary", answer)) as served,
+        raw_client(served.port) as client,
+    ):
+        await client.handshake()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        client.open(1, "Park", extra=[("grpc-timeout", "900m")])
+        client.message(1, RangeRequest())
+        client.open(3, "Unary", extra=[("grpc-timeout", "100m")])
+        client.message(3, RangeRequest())
+        client.open(5, "Park", extra=[("grpc-timeout", "200m")])
+        client.message(5, RangeRequest())
+        late, quick, early = client.exchange(1), client.exchange(3), client.exchange(5)
+        await client.until(lambda: early.ended, "the 200 ms call's trailers")
+        early_at = loop.time() - started
+        assert not late.ended
+        await client.until(lambda: late.ended, "the 900 ms call's trailers")
+        late_at = loop.time() - started
+    assert quick.grpc_status == Status.OK
+    assert early.grpc_status == late.grpc_status == Status.DEADLINE_EXCEEDED
+    assert early_at < 0.9 <= late_at
+
+
 @pytest.mark.parametrize("shape", ["unary", "server-stream"])
 async def test_client_cancel_reaches_the_handler(shape: str) -> None:
     parked = Parked()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 
-from benchmarks.etcd_tool import free_port
+from benchmarks.servers import free_port
 from etcdserverpb import rpc_pb2, rpc_pb2_grpc
 
 READY_TIMEOUT = 30.0

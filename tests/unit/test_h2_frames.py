@@ -10,7 +10,7 @@ import struct
 from dataclasses import dataclass, field
 
 import pytest
-from hpack import Encoder
+from hpack import Decoder, Encoder
 
 from queue_server.transport import header_blocks
 from queue_server.transport.h2 import (
@@ -485,3 +485,40 @@ def test_resets_of_answered_streams_are_not_rapid_reset() -> None:
         peer.send(frame(RST_STREAM, 0, sid, (8).to_bytes(4, "big")))
     assert not peer.conn.closed
     assert len(peer.events.resets) == 1000
+
+
+def test_blocks_of_indexed_fields_only_decode_as_hpack_does() -> None:
+    """A block of indexed fields only (read without hpack's general decoder)
+    names the same headers as hpack would, also after an insertion moved
+    every index by one."""
+    peer = Peer()
+    reference = Decoder()
+    extra = [*REQUEST, ("x-n", "1")]
+    blocks = [peer.block(), peer.block(), peer.block(extra), peer.block(), peer.block(extra)]
+    assert all(b >= 0x80 for b in blocks[1]) and all(b >= 0x80 for b in blocks[3])
+    for i, block in enumerate(blocks):
+        peer.send(frame(HEADERS, FLAG_END_HEADERS | FLAG_END_STREAM, 1 + 2 * i, block))
+    expected = [reference.decode(block, raw=True) for block in blocks]
+    assert [headers for _, headers, _ in peer.events.requests] == [
+        [tuple(h) for h in headers] for headers in expected
+    ]
+    assert [dict(h).get(b"x-n") for _, h, _ in peer.events.requests] == [
+        None,
+        None,
+        b"1",
+        None,
+        b"1",
+    ]
+
+
+def test_indexed_fields_over_the_header_list_limit_are_calmed() -> None:
+    """The bomb of `test_hpack_bomb_is_calmed` sent as indexed fields only."""
+    peer = Peer(Limits(max_header_list_size=16_384))
+    bomb = ("x-bomb", "b" * 3000)
+    peer.send(frame(HEADERS, FLAG_END_HEADERS | FLAG_END_STREAM, 1, peer.block([*REQUEST, bomb])))
+    assert len(peer.events.requests) == 1
+    block = peer.block([*REQUEST, *[bomb] * 6])
+    assert all(b >= 0x80 for b in block) and len(block) < 32
+    peer.send(frame(HEADERS, FLAG_END_HEADERS | FLAG_END_STREAM, 3, block))
+    assert peer.goaway_code() == ErrorCode.ENHANCE_YOUR_CALM
+    assert len(peer.events.requests) == 1

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.etcd_tool import free_port
+from benchmarks.servers import free_port
 from etcdserverpb import peer_pb2
 from queue_server.config import TLSFiles
 from queue_server.replication import peer_wire
