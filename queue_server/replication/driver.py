@@ -607,16 +607,24 @@ class ClusterLog:
         if backend is None:
             return sm.store.hash_kv(revision)
         bound = position(sm.store.check_revision(revision)) << 1 | 1
-        applied = sm.applied_index
+        return await self._read_applied(lambda held, txn: hash_revisions(backend, txn, bound))
+
+    async def _read_applied(self, read: Callable[[int, lmdb.Transaction], _T]) -> _T:
+        """`read(index, txn)` on the backend thread over a read transaction of the
+        applied state: a snapshot (a checkpoint) first makes the backend hold it.
+        Refused if that checkpoint failed (logged): never a read of an older state."""
+        backend = self.backend
+        assert backend is not None
+        applied = self.state_machine.applied_index
         await self.snapshot_now()
 
-        def job() -> int:
+        def job() -> _T:
             txn = backend.begin_read()
             try:
                 held = backend.consistent_index_in(txn)
-                if held < applied:  # the checkpoint failed (logged): no hash of an older state
+                if held < applied:
                     raise RuntimeError(f"the backend holds index {held}, not {applied}")
-                return hash_revisions(backend, txn, bound)
+                return read(held, txn)
             finally:
                 txn.abort()
 
@@ -636,25 +644,18 @@ class ClusterLog:
             return await asyncio.get_running_loop().run_in_executor(
                 None, lambda: etcd_backend.write_etcd_db(fileobj, index, state)
             )
-        applied = sm.applied_index
-        await self.snapshot_now()
 
-        def job() -> int:
-            txn = backend.begin_read()
-            try:
-                held = backend.consistent_index_in(txn)
-                image = backend.sections(txn)
-                if held < applied or image is None:  # the checkpoint failed (logged)
-                    raise RuntimeError(f"the backend holds index {held}, not {applied}")
-                sections = snapshot_format.decode(image, "backend sections").state
-                state = sections_with_tables(sections, lambda t: backend.table_rows(t, txn))
-                return etcd_backend.write_etcd_db(
-                    fileobj, held, state, key_items=backend.raw_revisions(txn)
-                )
-            finally:
-                txn.abort()
+        def write(held: int, txn: lmdb.Transaction) -> int:
+            image = backend.sections(txn)
+            if image is None:
+                raise RuntimeError(f"the backend at index {held} has no sections")
+            sections = snapshot_format.decode(image, "backend sections").state
+            state = sections_with_tables(sections, lambda t: backend.table_rows(t, txn))
+            return etcd_backend.write_etcd_db(
+                fileobj, held, state, key_items=backend.raw_revisions(txn)
+            )
 
-        return await self._on_backend(job)
+        return await self._read_applied(write)
 
     # -- peers ------------------------------------------------------------------------
 

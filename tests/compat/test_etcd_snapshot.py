@@ -102,21 +102,7 @@ def test_our_snapshot_restores_into_a_real_etcd(ours: Ctl, tmp_path: Path) -> No
     keys = BoltReader(path.read_bytes()[:-32])
     assert st["totalKey"] == sum(len(list(keys.items(b))) for b in keys.buckets())
 
-    etcd = EtcdProcess(tmp_path / "restored.etcd")
-    peer = f"http://127.0.0.1:{etcd.peer_port}"
-    ours.ok(
-        "snapshot",
-        "restore",
-        str(path),
-        "--data-dir",
-        str(etcd.data_dir),
-        "--name",
-        "ref",
-        "--initial-cluster",
-        f"ref={peer}",
-        "--initial-advertise-peer-urls",
-        peer,
-    )
+    etcd = EtcdProcess.restored_from(path, tmp_path / "restored.etcd")
     etcd.start()
     try:
         same_data(ours, Ctl(etcd.endpoint, "etcd"), facts)

@@ -561,22 +561,7 @@ def test_a_followers_etcd_snapshot_restores_into_a_real_etcd(
     status = json.loads(etcdctl(follower.endpoint, "snapshot", "status", str(path), "-w", "json"))
     assert status["revision"] >= want["header"]["revision"]
 
-    etcd = EtcdProcess(tmp_path / "restored.etcd")
-    peer = f"http://127.0.0.1:{etcd.peer_port}"
-    etcdctl(
-        follower.endpoint,
-        "snapshot",
-        "restore",
-        str(path),
-        "--data-dir",
-        str(etcd.data_dir),
-        "--name",
-        "ref",
-        "--initial-cluster",
-        f"ref={peer}",
-        "--initial-advertise-peer-urls",
-        peer,
-    )
+    etcd = EtcdProcess.restored_from(path, tmp_path / "restored.etcd")
     etcd.start()
     try:
         got = json.loads(etcdctl(etcd.endpoint, "get", "snap/", "--prefix", "-w", "json"))

@@ -192,6 +192,25 @@ class ServerProcess:
 class EtcdProcess:
     """A real etcd (Debian's etcd-server) for side-by-side comparisons."""
 
+    @classmethod
+    def restored_from(cls, snapshot: Path, data_dir: Path) -> EtcdProcess:
+        """An etcd (not started) whose data dir `etcdctl snapshot restore` made
+        from the bbolt `snapshot`, as a one-member cluster of its own."""
+        etcd = cls(data_dir)
+        peer = f"http://127.0.0.1:{etcd.peer_port}"
+        subprocess.run(
+            [
+                *("etcdctl", "snapshot", "restore", str(snapshot), "--data-dir", str(data_dir)),
+                *("--name", "ref", "--initial-cluster", f"ref={peer}"),
+                *("--initial-advertise-peer-urls", peer),
+            ],
+            capture_output=True,
+            timeout=60,
+            check=True,
+            env={**os.environ, "ETCDCTL_API": "3"},
+        )
+        return etcd
+
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
         self.port = free_port()
