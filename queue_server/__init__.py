@@ -27,11 +27,11 @@ with no I/O, is a library beside the package and imports nothing from it.
 - `recipes/`    server-side lock and election recipes (an in-process client).
 - `quota.py`    --quota-backend-bytes: the NOSPACE alarm before a write.
 - `compactor.py` auto-compaction policy (etcd's --auto-compaction-*).
-- `replication/` a cluster member: the Raft member driver (`ClusterLog`), its raft
-                storage, the typed peer wire and membership.
+- `replication/`, `local_log.py` the two logs behind apply's `Proposer` seam: a
+                cluster member (the Raft member driver `ClusterLog`, its raft
+                storage, the typed peer wire and membership), and the single-node
+                log (WAL + group commit, checkpoints into the backend, recovery).
 - `restore.py`  `queue-server restore`: a data dir from a snapshot file.
-- `storage/`    the single-node durable log (WAL + group commit), snapshots (our
-                data-only QSNAP2, and etcd's bbolt database both ways), recovery.
 - `node/`       the node driver: each applied command's effects to the parts that
                 act on them; the node's one clock (timer policies); which watches
                 are queue consumers (`node/consumers.py`).
@@ -49,10 +49,15 @@ with no I/O, is a library beside the package and imports nothing from it.
 - `lease/`, `auth/`, `alarms.py` leases and their expiry clock; users, roles,
                 permissions and tokens; the alarm table.
 - `mvcc/`       revisions, per-key history, tombstones, compaction. No I/O.
-- `errors.py`, `logs.py`, `durations.py` the etcd errors the core reports (wire
-                code and text); console or JSON log lines (grpc C-core's stderr
-                lines too); Go's duration text ("30s", "1m30s"), read the same
-                for flags and queue settings.
+- `errors.py`, `logs.py`, `durations.py`, `admission.py` the etcd errors the core
+                reports (wire code and text); console or JSON log lines (grpc
+                C-core's stderr lines too); Go's duration text ("30s", "1m30s"),
+                read the same for flags and queue settings; what both logs check
+                before appending (request size, apply gap).
+- `storage/`    a leaf: the LMDB backend (etcd's buckets), the WAL, snapshot
+                files (our data-only QSNAP2, and etcd's bbolt database both ways),
+                and how a revision is named (`revisions.py`). Imports nothing
+                of the server.
 - `transport/`  the native gRPC server: HTTP/2 frames (`h2.py`, no I/O), calls on
                 a connection, the method table and the `Call` interface, and the
                 HTTP/1.1 JSON gateway on the same port (`gateway.py`). Knows

@@ -32,6 +32,7 @@ from queue_server.kv.executor import KVExecutor, is_read_only
 from queue_server.lease.lessor import Lessor
 from queue_server.mq.state import Assignment, QueueState, sections_with_rows
 from queue_server.mvcc.store import CommittedRevisions, Event, KeyValue, MVCCStore
+from queue_server.storage.snapshot_codec import STATE_FORMAT
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +84,6 @@ class TableOwner(Protocol):
         """A checkpoint failed: `rows` (what `take_rows` gave) are unwritten;
         rows changed since then are newer and win."""
         ...
-
-
-STATE_FORMAT = 1
-"""Version of `export_state`'s layout; bump when it changes."""
 
 
 @dataclass(slots=True)

@@ -7,9 +7,8 @@ a real etcd's `snapshot.db` (from `etcdctl snapshot save`, or a data dir's
 become ours (`storage/etcd_backend.py`); or our own QSNAP2 file. Restoring
 checks it in full, refuses a data dir that already holds data, and installs the
 state as the dir's only snapshot (QSNAP2), so the server started on DIR begins
-at the snapshot's state with an empty log. A file in the legacy pickle format
-(from an older server) is read, being a local file the operator chose, and
-installed rewritten in today's format.
+at the snapshot's state with an empty log. A QSNAP1 file (the pickle format of
+older releases) is refused with a line saying how to convert it.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from queue_server.storage import etcd_backend
 from queue_server.storage.snapshot import (
     CorruptSnapshotError,
     SnapshotStore,
-    read_local_snapshot,
+    read_snapshot,
     unwrap_transfer,
 )
 from queue_server.storage.snapshot_codec import SnapshotFormatError
@@ -40,18 +39,18 @@ def restore(snapshot_path: str, data_dir: str) -> int:
     bbolt = etcd_backend.is_bbolt(data)
     if bbolt:
         try:
-            snap, legacy = etcd_backend.read_etcd_db(data, snapshot_path), False
+            snap = etcd_backend.read_etcd_db(data, snapshot_path)
         except SnapshotFormatError as e:
             raise CorruptSnapshotError(
                 f"{snapshot_path} is not a valid etcd database: {e}"
             ) from None
     else:
-        snap, legacy = read_local_snapshot(io.BytesIO(data), snapshot_path)
+        snap = read_snapshot(io.BytesIO(data), snapshot_path)
     if os.path.isdir(data_dir) and os.listdir(data_dir):
         raise FileExistsError(f"data dir {data_dir!r} is not empty")
     os.makedirs(os.path.join(data_dir, "wal"), mode=0o700, exist_ok=True)
     store = SnapshotStore(os.path.join(data_dir, "snap"))
-    if not (bbolt or legacy):
+    if not bbolt:
         store.save_encoded(snap.index, data)  # today's format: installed as it is
         return snap.index
     try:
@@ -60,11 +59,9 @@ def restore(snapshot_path: str, data_dir: str) -> int:
         raise CorruptSnapshotError(
             f"{snapshot_path}: its state cannot be written as a snapshot: {e}"
         ) from None
-    log.log(
-        logging.WARNING if legacy else logging.INFO,
-        "snapshot restored path=%s from=%s to=QSNAP2 index=%d revision=%d",
+    log.info(
+        "snapshot restored path=%s from=etcd-db to=QSNAP2 index=%d revision=%d",
         snapshot_path,
-        "etcd-db" if bbolt else "QSNAP1",
         snap.index,
         snap.state["mvcc"][0],
     )

@@ -67,6 +67,7 @@ from queue_server.http_health import (
 )
 from queue_server.lease.expiry import ExpiryClock, ExpiryPolicy
 from queue_server.lease.ids import LeaseIdGenerator
+from queue_server.local_log import BackendBehindLogError, LocalLog
 from queue_server.metrics import Membership as MetricsMembership
 from queue_server.metrics import ServerMetrics, StateCollector
 from queue_server.mq.ack_policy import AckPolicy
@@ -83,7 +84,6 @@ from queue_server.replication.membership import MemberInfo, Membership, member_i
 from queue_server.replication.peer_wire import PeerTransport
 from queue_server.replication.storage import RaftStorage
 from queue_server.storage.backend import DB_DIR, Backend
-from queue_server.storage.local_log import BackendBehindLogError, LocalLog
 from queue_server.storage.snapshot import CorruptSnapshotError
 from queue_server.storage.wal import WALCorruptError, WALGapError
 from queue_server.tls import (

@@ -56,6 +56,12 @@ from typing import Protocol
 from sortedcontainers import SortedDict
 
 from queue_server.errors import Compacted, FutureRevision
+from queue_server.storage.revisions import (
+    SUB_BITS,
+    KeyValueFields,
+    hash_change,
+    position,
+)
 
 
 @dataclass(slots=True)
@@ -70,18 +76,6 @@ class KeyValue:
     version: int
     value: bytes
     lease: int
-
-
-SUB_BITS = 32
-"""A history entry's position is `revision << SUB_BITS | sub`: `sub` numbers the
-changes inside one write transaction (etcd's sub-revision), so a delete of many
-keys in one revision still orders its events as they were made."""
-_SUB_MASK = (1 << SUB_BITS) - 1
-
-
-def position(revision: int, sub: int = _SUB_MASK) -> int:
-    """The history position of change `sub` of `revision` (default: its last)."""
-    return (revision << SUB_BITS) | sub
 
 
 RECORD_OVERHEAD_BYTES = 64
@@ -101,15 +95,6 @@ class CommittedRevisions(Protocol):
 
     @property
     def in_use_bytes(self) -> int: ...
-
-
-class KeyValueFields(Protocol):
-    key: bytes
-    create_revision: int
-    mod_revision: int
-    version: int
-    value: bytes
-    lease: int
 
 
 @dataclass(slots=True)
@@ -568,13 +553,6 @@ class MVCCStore:
         # Revision order, as a checkpoint writes and the backend reads back.
         store._pending = dict(sorted(pending.items()))
         return store
-
-
-def hash_change(h: int, key: bytes, code: int, value: bytes | None) -> int:
-    """The HashKV checksum `h` extended by one change (`value` None: a tombstone)."""
-    h = zlib.crc32(key, h)
-    h = zlib.crc32((code >> 1).to_bytes(12, "big"), h)
-    return zlib.crc32(b"\x00" if value is None else b"\x01" + value, h)
 
 
 class WriteTxn:

@@ -63,6 +63,7 @@ import lmdb
 from google.protobuf import empty_pb2
 
 from etcdserverpb import internal_pb2, peer_pb2
+from queue_server.admission import MAX_UNAPPLIED, too_large
 from queue_server.apply import (
     Applier,
     ApplyFailed,
@@ -79,7 +80,6 @@ from queue_server.errors import (
     ServerStopped,
     TooManyRequests,
 )
-from queue_server.mvcc.store import position
 from queue_server.replication.peers import Peers, PeerUnavailable
 from queue_server.replication.storage import (
     HeldPosition,
@@ -91,7 +91,7 @@ from queue_server.replication.storage import (
 from queue_server.storage import etcd_backend
 from queue_server.storage import snapshot as snapshot_format
 from queue_server.storage.backend import Backend, CommitBatch
-from queue_server.storage.local_log import MAX_UNAPPLIED, hash_revisions, too_large
+from queue_server.storage.revisions import position
 from queue_server.storage.snapshot_codec import RawRevisions
 from raft.core import NotLeader, ProposalDropped, RaftCore, Ready, Role
 from raft.messages import (
@@ -607,7 +607,7 @@ class ClusterLog:
         if backend is None:
             return sm.store.hash_kv(revision)
         bound = position(sm.store.check_revision(revision)) << 1 | 1
-        return await self._read_applied(lambda held, txn: hash_revisions(backend, txn, bound))
+        return await self._read_applied(lambda held, txn: backend.hash_revisions(txn, bound))
 
     async def _read_applied(self, read: Callable[[int, lmdb.Transaction], _T]) -> _T:
         """`read(index, txn)` on the backend thread over a read transaction of the

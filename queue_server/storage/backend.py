@@ -39,20 +39,19 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import cast
 
 import lmdb
 
 from etcdserverpb import kv_pb2
 from queue_server.storage.mapped_pages import MappedPages
+from queue_server.storage.revisions import KeyValueFields, hash_change, position_of, revision_key
 
-__all__ = ["Backend", "CommitBatch", "KeyValueFields", "revision_key"]
+__all__ = ["Backend", "CommitBatch"]
 
-SUB_BITS = 32
-"""A change's position is `revision << SUB_BITS | sub` (mvcc.store's layout)."""
-_SUB_MASK = (1 << SUB_BITS) - 1
 _U64 = struct.Struct(">Q")
 
 DEFAULT_MAP_BYTES = 64 << 30
@@ -74,31 +73,6 @@ small and keeping it saves the next reads their page faults."""
 _CONSISTENT_INDEX = b"consistent_index"
 _SECTIONS = b"sections"
 _RAFT_SNAPSHOT = b"raft_snapshot"
-
-
-class KeyValueFields(Protocol):
-    """One key revision as the store hands it over (mvcc.store.KeyValue)."""
-
-    key: bytes
-    create_revision: int
-    mod_revision: int
-    version: int
-    value: bytes
-    lease: int
-
-
-def revision_key(position: int, tombstone: bool) -> bytes:
-    """etcd's `key`-db key of the change at `position` (mvcc revToBytes, `t` for a
-    tombstone)."""
-    key = _U64.pack(position >> SUB_BITS) + b"_" + _U64.pack(position & _SUB_MASK)
-    return key + b"t" if tombstone else key
-
-
-def position_of(revision_key_bytes: bytes) -> tuple[int, bool]:
-    """The position and tombstone flag of a `key`-db key."""
-    main = _U64.unpack_from(revision_key_bytes, 0)[0]
-    sub = _U64.unpack_from(revision_key_bytes, 9)[0]
-    return main << SUB_BITS | sub, len(revision_key_bytes) == 18
 
 
 def encode_kv(kv: KeyValueFields) -> bytes:
@@ -214,6 +188,19 @@ class Backend:
         for raw_key, raw_value in cast(Iterator[tuple[bytes, bytes]], cursor.iternext()):
             position, tombstone = position_of(raw_key)
             yield position, tombstone, raw_value
+
+    def hash_revisions(self, txn: lmdb.Transaction, bound: int) -> int:
+        """`MVCCStore.hash_kv` from a read transaction: over the changes in
+        revision order whose entry code is at most `bound` (any thread)."""
+        h = zlib.crc32(b"key")
+        parse = kv_pb2.KeyValue.FromString
+        for pos, tombstone, raw in self.revisions(txn):
+            code = pos << 1 | tombstone
+            if code > bound:
+                break
+            kv = parse(raw)
+            h = hash_change(h, kv.key, code, None if tombstone else kv.value)
+        return h
 
     def scan_keys(self) -> Iterator[tuple[int, bool, bytes, int]]:
         """Every key revision in revision order as the store's index needs it:

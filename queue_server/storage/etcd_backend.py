@@ -2,8 +2,8 @@
 
 This module owns what etcd 3.4/3.5 keep in their bbolt file and how our state
 maps to it; `storage/bbolt.py` owns the file's bytes, `storage/snapshot.py` our
-own QSNAP2 format. It imports those two, the generated messages and
-`apply.STATE_FORMAT`, nothing else of the server.
+own QSNAP2 format. It imports those two, the generated messages and the
+revision layout (`storage/revisions.py`), nothing else of the server.
 
 etcd's buckets, as etcd 3.4.23 writes them (read back from a real
 `etcdctl snapshot save` in tests/compat/test_etcd_snapshot.py):
@@ -45,11 +45,12 @@ from typing import IO, Any
 from google.protobuf.message import DecodeError
 
 from etcdserverpb import auth_pb2, kv_pb2, rpc_pb2
-from queue_server.apply import STATE_FORMAT
 from queue_server.storage import snapshot
 from queue_server.storage.bbolt import BoltFormatError, BoltReader, BoltWriter
+from queue_server.storage.revisions import SUB_BITS, SUB_MASK, position, revision_key
 from queue_server.storage.snapshot_codec import (
     NEVER_COMPACTED,
+    STATE_FORMAT,
     SnapshotContents,
     SnapshotFormatError,
 )
@@ -65,14 +66,7 @@ one (overflow) page run, so chunks keep the pages built at a time small."""
 CLUSTER_VERSION = b"3.5.0"
 """The cluster version we say we are in the `cluster` bucket: our API is 3.5's."""
 
-SUB_BITS = 32
-_SUB_MASK = (1 << SUB_BITS) - 1
 _REV = struct.Struct(">Q")
-
-
-def revision_key(main: int, sub: int, tombstone: bool = False) -> bytes:
-    """etcd's key-bucket key of a change (mvcc revToBytes, plus `t` for a tombstone)."""
-    return _REV.pack(main) + b"_" + _REV.pack(sub) + (b"t" if tombstone else b"")
 
 
 def parse_revision_key(raw: bytes) -> tuple[int, int, bool]:
@@ -139,9 +133,8 @@ def _key_bucket(keys: list[tuple[bytes, list[int], list[Any]]]) -> Iterator[tupl
             yield pos, key, change
 
     for pos, key, change in heapq.merge(*(history(*k) for k in keys), key=lambda c: c[0]):
-        main, sub = pos >> SUB_BITS, pos & _SUB_MASK
         if change is None:
-            yield revision_key(main, sub, True), kv_pb2.KeyValue(key=key).SerializeToString()
+            yield revision_key(pos, True), kv_pb2.KeyValue(key=key).SerializeToString()
         else:
             create, mod, version, value, lease = change
             kv = kv_pb2.KeyValue(
@@ -152,7 +145,7 @@ def _key_bucket(keys: list[tuple[bytes, list[int], list[Any]]]) -> Iterator[tupl
                 value=value,
                 lease=lease,
             )
-            yield revision_key(main, sub), kv.SerializeToString()
+            yield revision_key(pos, False), kv.SerializeToString()
 
 
 def _member_items(members: dict[int, Any]) -> list[tuple[bytes, bytes]]:
@@ -221,7 +214,7 @@ def write_etcd_db(
     writer.bucket(b"key", _key_bucket(keys) if key_items is None else key_items)
     meta = [(b"consistent_index", _REV.pack(index))]
     if compact_revision != NEVER_COMPACTED:
-        rev = revision_key(compact_revision, 0)
+        rev = revision_key(position(compact_revision, 0), False)
         meta += [(b"finishedCompactRev", rev), (b"scheduledCompactRev", rev)]
     writer.bucket(b"meta", meta)
     writer.bucket(
@@ -306,7 +299,7 @@ def _read_keys(reader: BoltReader) -> tuple[list[tuple[bytes, list[int], list[An
     top = 0
     for raw, value in reader.items(b"key"):
         main, sub, tombstone = parse_revision_key(raw)
-        if sub > _SUB_MASK:
+        if sub > SUB_MASK:
             raise SnapshotFormatError(f"sub revision {sub} out of range")
         kv = kv_pb2.KeyValue.FromString(value)
         if not kv.key:

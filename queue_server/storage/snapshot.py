@@ -1,5 +1,5 @@
 """Snapshot files: the format on disk and on the wire, the `snap/` directory,
-the one-time reading of legacy files, and the etcdctl transfer wrapping.
+and the etcdctl transfer wrapping.
 
 This module owns the snapshot file's framing and checksum and the directory
 that keeps them; `snapshot_codec.py` owns what the records say (the state
@@ -36,11 +36,9 @@ served. `load_usable` may fall back to an older snapshot, as etcd's snapshotter
 does; the caller must then prove the log reaches back to it (the WAL's gap
 check) before serving, and only then `set_aside` the broken one.
 
-Legacy: before version 2 the state was pickled (magic "QSNAP1\\n"). Such a file is
-read once, from a local file only (`SnapshotStore` at startup, `queue-server
-restore`), and rewritten in today's format at once; see `_read_legacy_pickle`.
-Bytes from anywhere else with that magic are refused. Blocking; callers run it
-off the event loop.
+Before version 2 the state was pickled (magic "QSNAP1\\n"). Such a file is
+refused wherever it comes from, with a line saying how to convert it: nothing
+is ever unpickled. Blocking; callers run it off the event loop.
 """
 
 from __future__ import annotations
@@ -50,13 +48,11 @@ import hashlib
 import io
 import logging
 import os
-import pickle
 import struct
 import zlib
 from collections.abc import Callable, Iterable
 from typing import IO, Any
 
-from queue_server.apply import StateMachine
 from queue_server.storage import snapshot_codec
 from queue_server.storage.files import fsync_dir
 from queue_server.storage.snapshot_codec import SnapshotContents, SnapshotFormatError
@@ -68,7 +64,6 @@ __all__ = [
     "decode",
     "encode",
     "read_header",
-    "read_local_snapshot",
     "read_snapshot",
     "unwrap_transfer",
     "verify",
@@ -95,7 +90,6 @@ CHECK_READ_BYTES = 1 << 20
 """Bytes read at a time by the checksum pass: large enough to run at disk speed,
 small enough to be noise next to the state."""
 
-_LEGACY_HEADER = struct.Struct("<QIQ")  # applied index, crc32 of payload, payload length
 
 KEEP_SNAPSHOTS = 2
 """Older snapshots are deleted once a newer one is durable; two are kept so the
@@ -184,27 +178,13 @@ class SnapshotStore:
                 os.remove(os.path.join(self.directory, name))
 
     def _load(self, index: int) -> SnapshotContents:
-        """The snapshot at `index`, a legacy one rewritten in today's format."""
+        """The snapshot at `index`, checked."""
         path = self.path(index)
         with open(path, "rb") as f:
-            snap, legacy = read_local_snapshot(f, path)
+            snap = read_snapshot(f, path)
         if snap.index != index:
             raise CorruptSnapshotError(
                 f"{path} is not a valid snapshot: it says index {snap.index}", index
-            )
-        if legacy:
-            try:
-                size = self.save(index, snap.state, snap.raft_term, snap.voters)
-            except (ValueError, TypeError) as e:
-                raise CorruptSnapshotError(
-                    f"{path}: legacy snapshot cannot be rewritten in the new format: {e}", index
-                ) from None
-            log.warning(
-                "snapshot rewritten from legacy pickle format path=%s index=%d bytes=%d "
-                "from=QSNAP1 to=QSNAP2",
-                path,
-                index,
-                size,
             )
         return snap
 
@@ -271,8 +251,8 @@ def write_snapshot(
 
 def read_snapshot(fileobj: IO[bytes], name: str) -> SnapshotContents:
     """The snapshot in `fileobj` (seekable, read from its position to its end),
-    checked: checksum first, then every record. Anything else, a legacy pickle
-    snapshot included, is refused with CorruptSnapshotError naming `name`."""
+    checked: checksum first, then every record. Anything else, a QSNAP1 pickle
+    file included, is refused with CorruptSnapshotError naming `name`."""
     try:
         return _read(fileobj)
     except SnapshotFormatError as e:
@@ -314,8 +294,9 @@ def _read(fileobj: IO[bytes]) -> SnapshotContents:
     magic = fileobj.read(len(MAGIC))
     if magic == LEGACY_MAGIC:
         raise SnapshotFormatError(
-            "it is in the legacy pickle format (QSNAP1), which is read only from a "
-            "local file at startup or by `queue-server restore`"
+            "it is in the pickle format of releases before QSNAP2 (QSNAP1), which is "
+            "never read: nothing is ever unpickled. Start the release that wrote it on "
+            "its data dir once (it rewrites the file as QSNAP2), then use that file"
         )
     if magic != MAGIC:
         raise SnapshotFormatError(f"it does not start with {MAGIC!r}")
@@ -388,64 +369,6 @@ def _index_of(name: str) -> int:
     """The index in a snapshot file's name (-1 if it has none)."""
     stem = os.path.basename(name).split(".")[0]
     return int(stem) if stem.isdigit() else -1
-
-
-# -- local files, legacy included --------------------------------------------------------
-
-
-def read_local_snapshot(fileobj: IO[bytes], name: str) -> tuple[SnapshotContents, bool]:
-    """A snapshot from a local file: today's format, or the legacy pickle format
-    (then True: the caller must rewrite it in today's format at once). Only for
-    files of our own data dir or one the operator hands `queue-server restore`."""
-    start = fileobj.tell()
-    magic = fileobj.read(len(LEGACY_MAGIC))
-    fileobj.seek(start)
-    if magic == LEGACY_MAGIC:
-        return _read_legacy_pickle(fileobj, name), True
-    return read_snapshot(fileobj, name), False
-
-
-def _read_legacy_pickle(fileobj: IO[bytes], name: str) -> SnapshotContents:
-    """A snapshot written before format version 2: "QSNAP1\\n" | u64 applied index
-    | u32 crc32 of payload | u64 payload length | the state, pickled (a Raft
-    member's wrapped as {"index", "term", "voters", "state"}).
-
-    It exists so that a data dir written by an older server still starts, and an
-    older `etcdctl snapshot save` file still restores. Unpickling runs whatever
-    the bytes say, so it is only ever called on a local file, as trusted as the
-    rest of the data dir (`read_local_snapshot`); never on bytes from a peer or
-    a client (`read_snapshot` and `decode` refuse this magic). Every caller
-    rewrites the snapshot in today's format at once, so a file is unpickled once.
-    The state is passed through a state machine's `restore_state` and
-    `export_state`, so older layouts that `restore_state` still accepts come
-    out in today's.
-    """
-    data = fileobj.read()
-    head = len(LEGACY_MAGIC) + _LEGACY_HEADER.size
-    if len(data) < head or not data.startswith(LEGACY_MAGIC):
-        raise CorruptSnapshotError(f"legacy snapshot {name} has no valid header", _index_of(name))
-    index, crc, length = _LEGACY_HEADER.unpack_from(data, len(LEGACY_MAGIC))
-    payload = memoryview(data)[head : head + length]
-    if len(payload) != length or zlib.crc32(payload) != crc:
-        raise CorruptSnapshotError(
-            f"legacy snapshot {name} fails its checksum (expected {length} bytes, crc {crc:#x})",
-            _index_of(name),
-        )
-    raft_term = 0
-    voters: tuple[int, ...] = ()
-    try:
-        value = pickle.loads(payload)
-        if isinstance(value, dict) and set(value) == {"index", "term", "voters", "state"}:
-            raft_term, voters = int(value["term"]), tuple(int(v) for v in value["voters"])
-            value = value["state"]
-        machine = StateMachine()
-        machine.restore_state(value)
-        state = machine.export_state()
-    except Exception as e:  # a local file of ours: whatever it holds, report it as damage
-        raise CorruptSnapshotError(
-            f"legacy snapshot {name} does not hold a state: {e!r}", _index_of(name)
-        ) from None
-    return SnapshotContents(int(index), state, raft_term, voters)
 
 
 # -- etcdctl's transfer wrapping -------------------------------------------------------

@@ -1,12 +1,12 @@
 """The records of a snapshot: `StateMachine.export_state()` to protobuf and back.
 
 This module owns the mapping, field by field, between the state machine's
-exported state (plain data: the layout `apply.STATE_FORMAT` names) and the
+exported state (plain data: the layout `STATE_FORMAT` names) and the
 messages of `etcdserverpb/snapshot.proto`, and every check a record read back
 must pass before it becomes state. It does no I/O and knows nothing of files:
 `storage/snapshot.py` frames the records, checksums them and reads them back.
-It imports the generated messages, `apply.STATE_FORMAT` and `mvcc.store`'s
-position layout, nothing else of the server.
+It imports the generated messages and the revision layout
+(`storage/revisions.py`), nothing else of the server.
 
 Theory of operation. `encode_records` walks an exported state once and yields
 the records in file order: the header (with how many of each item follow), the
@@ -38,8 +38,11 @@ from google.protobuf.message import DecodeError
 
 from etcdserverpb import kv_pb2
 from etcdserverpb import snapshot_pb2 as pb
-from queue_server.apply import STATE_FORMAT
-from queue_server.mvcc.store import SUB_BITS
+from queue_server.storage.revisions import SUB_BITS, SUB_MASK
+
+STATE_FORMAT = 1
+"""Version of `StateMachine.export_state`'s layout, which this module maps and
+`apply.py` writes; bump it when the layout changes."""
 
 FORMAT_VERSION = 1
 """Version of the records' schema. Bump it (and keep a reader for the old one)
@@ -58,7 +61,6 @@ ITEM_BYTES = 32
 """What one item costs in a chunk besides its bytes fields, for the size estimate
 (a few varints and tags; the estimate only needs to be within a small factor)."""
 
-_SUB_MASK = (1 << SUB_BITS) - 1
 NEVER_COMPACTED = -1
 """`MVCCStore.compact_revision` of a store never compacted."""
 
@@ -177,7 +179,7 @@ def _key_chunks(keys: list[tuple[bytes, list[int], list[Any]]]) -> Iterator[pb.R
             if history is None:
                 history = record.keys.keys.add(key=key)
                 size += len(key) + ITEM_BYTES
-            change = history.changes.add(revision=pos >> SUB_BITS, sub=pos & _SUB_MASK)
+            change = history.changes.add(revision=pos >> SUB_BITS, sub=pos & SUB_MASK)
             if kv is None:
                 change.tombstone = True
             else:
@@ -519,7 +521,7 @@ class StateReader:
                 raise SnapshotFormatError(f"revision key {raw!r} is not etcd's layout")
             main = int.from_bytes(raw[:8], "big")
             sub = int.from_bytes(raw[9:17], "big")
-            if not 1 <= main <= top or sub > _SUB_MASK:
+            if not 1 <= main <= top or sub > SUB_MASK:
                 raise SnapshotFormatError(f"a change at revision {main}")
             pos = main << SUB_BITS | sub
             if pos <= self._last_position:

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from etcdserverpb import internal_pb2, rpc_pb2
+from queue_server.admission import MAX_UNAPPLIED
 from queue_server.apply import Applier, ApplyFailed, StateMachine
 from queue_server.errors import ServerStopped, TooManyRequests
 from queue_server.keyspace.grammar import QueueKey
-from queue_server.storage.local_log import MAX_UNAPPLIED, LocalLog
+from queue_server.local_log import LocalLog
 
 pytestmark = pytest.mark.unit
 

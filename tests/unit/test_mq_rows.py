@@ -18,6 +18,7 @@ import pytest
 
 from etcdserverpb import internal_pb2, rpc_pb2
 from queue_server.apply import Applier, StateMachine, sections_with_tables
+from queue_server.local_log import LocalLog
 from queue_server.mq.redrive import plan_redrive
 from queue_server.mq.state import (
     MessageRow,
@@ -25,10 +26,9 @@ from queue_server.mq.state import (
     parse_row_key,
     row_key,
 )
-from queue_server.mvcc.store import KeyValueFields
 from queue_server.storage import etcd_backend, snapshot
 from queue_server.storage.backend import Backend, CommitBatch
-from queue_server.storage.local_log import LocalLog
+from queue_server.storage.revisions import KeyValueFields
 
 pytestmark = pytest.mark.unit
 

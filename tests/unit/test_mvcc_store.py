@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from queue_server.errors import Compacted, FutureRevision
 from queue_server.mvcc.store import ALL_KEYS_END, Event, KeyValue, MVCCStore
-from queue_server.storage.backend import Backend, CommitBatch, encode_kv, revision_key
+from queue_server.storage.backend import Backend, CommitBatch, encode_kv
+from queue_server.storage.revisions import revision_key
 
 pytestmark = pytest.mark.unit
 

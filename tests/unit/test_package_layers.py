@@ -110,3 +110,14 @@ def test_raft_imports_nothing_of_the_server() -> None:
                 if top in ("queue_server", "etcdserverpb", "tests", "grpc", "asyncio"):
                     wrong.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not wrong, "raft/ must stand alone:\n" + "\n".join(wrong)
+
+
+def test_storage_is_a_leaf() -> None:
+    """storage/ (backend, WAL, snapshot files, revision names) imports nothing of
+    the server outside itself, so its formats can be read and tested alone."""
+    wrong: list[str] = []
+    for path in sorted((ROOT / "queue_server" / "storage").rglob("*.py")):
+        for target in imported_parts(ast.parse(path.read_text(), str(path))):
+            if target != "storage":
+                wrong.append(f"{path.relative_to(ROOT)} imports {target}")
+    assert not wrong, "storage/ must be a leaf:\n" + "\n".join(wrong)

@@ -1,6 +1,6 @@
 """The snapshot file format (queue_server/storage/snapshot.py, snapshot_codec.py):
-a real state round-trips exactly; a legacy pickle file is read once, locally,
-and rewritten; bytes from anywhere else are data only, and anything damaged,
+a real state round-trips exactly; a QSNAP1 pickle file is refused wherever it
+comes from, never unpickled; bytes are data only, and anything damaged,
 foreign or malformed is refused with CorruptSnapshotError and nothing else;
 large states stream through a file without a second copy in memory."""
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import logging
 import os
 import pickle
 import struct
@@ -24,10 +23,10 @@ import pytest
 from etcdserverpb import internal_pb2, rpc_pb2
 from etcdserverpb import snapshot_pb2 as pb
 from queue_server.apply import StateMachine
-from queue_server.mvcc.store import position
 from queue_server.replication.storage import RaftStorage
 from queue_server.restore import restore
 from queue_server.storage import snapshot, snapshot_codec
+from queue_server.storage.revisions import position
 from queue_server.storage.snapshot import CorruptSnapshotError, SnapshotStore
 from tests.support.states import NOW_MS, rich_machine
 
@@ -139,55 +138,47 @@ def test_a_history_longer_than_a_chunk_is_split_and_joined(
     assert snapshot.decode(data, LEADER).state == state
 
 
-# -- legacy: read once, locally, rewritten -----------------------------------------
+# -- QSNAP1 (pickled) files: refused everywhere, never unpickled --------------------
 
 
-def test_a_legacy_pickle_file_is_read_once_and_rewritten(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    sm = rich_machine()
-    state = sm.export_state()
-    path = tmp_path / f"{sm.applied_index:020d}.snap"
-    path.write_bytes(legacy_bytes(sm.applied_index, state))
-    store = SnapshotStore(str(tmp_path), fsync=False)
-    with caplog.at_level(logging.WARNING):
-        loaded, broken = store.load_usable()
-    assert not broken and loaded is not None and loaded.state == state
-    assert path.read_bytes().startswith(b"QSNAP2\n")
-    assert "legacy" in caplog.text and "QSNAP2" in caplog.text
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        again = store.load_latest()
-    assert again is not None and again.state == state and "legacy" not in caplog.text
-    same(sm, restored(again.state))
+def test_a_qsnap1_file_in_the_snap_dir_is_refused_and_never_unpickled(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    path = tmp_path / "snap" / f"{7:020d}.snap"
+    path.parent.mkdir()
+    path.write_bytes(legacy_bytes(7, SideEffect(marker)))
+    store = SnapshotStore(str(path.parent), fsync=False)
+    loaded, broken = store.load_usable()
+    assert loaded is None and len(broken) == 1
+    assert "QSNAP1" in str(broken[0]) and "never read" in str(broken[0])
+    assert broken[0].index == 7
+    assert not marker.exists()
+    assert path.read_bytes().startswith(b"QSNAP1\n")  # left for the operator as it was
 
 
-def test_a_legacy_raft_snapshot_keeps_its_raft_position(tmp_path: Path) -> None:
-    sm = rich_machine()
+def test_a_qsnap1_raft_snapshot_is_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
     snap_dir = tmp_path / "raft" / "snap"
     snap_dir.mkdir(parents=True)
-    wrapped = {"index": 39, "term": 3, "voters": [1, 2], "state": sm.export_state()}
+    wrapped = {"index": 39, "term": 3, "voters": [1, 2], "state": SideEffect(marker)}
     (snap_dir / f"{39:020d}.snap").write_bytes(legacy_bytes(39, wrapped))
     storage = RaftStorage(str(tmp_path), fsync=False)
-    got = storage.load()
-    storage.close()
-    assert (got.snapshot_index, got.snapshot_term, got.voters) == (39, 3, (1, 2))
-    assert got.state == sm.export_state()
-    # What a follower would be sent is the file, now in the new format.
-    raw = Path(storage.snapshot_path(39)).read_bytes()
-    assert snapshot.decode(raw, LEADER).voters == (1, 2)
+    try:
+        with pytest.raises(CorruptSnapshotError, match="QSNAP1"):
+            storage.load()
+    finally:
+        storage.close()
+    assert not marker.exists()
 
 
-def test_restore_installs_a_legacy_transfer_file_in_the_new_format(tmp_path: Path) -> None:
-    sm = rich_machine()
-    old = legacy_bytes(sm.applied_index, sm.export_state())
+def test_restore_refuses_a_qsnap1_transfer_file_and_makes_no_data_dir(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    old = legacy_bytes(3, SideEffect(marker))
     padded = old + bytes(-len(old) % 512)  # the old server's etcdctl stream
     source = tmp_path / "old.db"
     source.write_bytes(padded + hashlib.sha256(padded).digest())
-    assert restore(str(source), str(tmp_path / "data")) == sm.applied_index
-    (installed,) = (tmp_path / "data" / "snap").glob("*.snap")
-    assert installed.read_bytes().startswith(b"QSNAP2\n")
-    same(sm, restored(snapshot.decode(installed.read_bytes(), "installed").state))
+    with pytest.raises(CorruptSnapshotError, match=r"QSNAP1.*nothing is ever unpickled"):
+        restore(str(source), str(tmp_path / "data"))
+    assert not (tmp_path / "data").exists() and not marker.exists()
 
 
 def test_restore_installs_our_own_file_as_it_is_whatever_its_length(tmp_path: Path) -> None:
@@ -236,7 +227,7 @@ def test_decode_never_unpickles(tmp_path: Path) -> None:
         with pytest.raises(CorruptSnapshotError):
             snapshot.verify(data, LEADER)
         assert not marker.exists(), what
-    with pytest.raises(CorruptSnapshotError, match="legacy pickle format"):
+    with pytest.raises(CorruptSnapshotError, match="QSNAP1"):
         snapshot.decode(attempts["a legacy QSNAP1 file"], LEADER)
 
 

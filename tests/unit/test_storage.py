@@ -16,9 +16,9 @@ import pytest
 from etcdserverpb import internal_pb2, rpc_pb2
 from queue_server.apply import Applier, StateMachine
 from queue_server.errors import LeaseNotFound, NoSpace, RequestTooLarge
+from queue_server.local_log import LocalLog
 from queue_server.mvcc.store import ALL_KEYS_END
 from queue_server.storage.backend import DB_DIR, Backend, CommitBatch
-from queue_server.storage.local_log import LocalLog
 from queue_server.storage.snapshot import CorruptSnapshotError, SnapshotStore
 from queue_server.storage.wal import (
     SECTOR_BYTES,

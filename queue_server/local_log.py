@@ -48,7 +48,6 @@ import errno
 import logging
 import os
 import time
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,7 +55,8 @@ from typing import IO, Any, TypeVar
 
 import lmdb
 
-from etcdserverpb import internal_pb2, kv_pb2
+from etcdserverpb import internal_pb2
+from queue_server.admission import MAX_UNAPPLIED, too_large
 from queue_server.apply import (
     Applier,
     ApplyFailed,
@@ -65,9 +65,9 @@ from queue_server.apply import (
     sections_with_tables,
 )
 from queue_server.errors import NoSpace, RequestTooLarge, ServerStopped, TooManyRequests
-from queue_server.mvcc.store import hash_change, position
 from queue_server.storage import etcd_backend, snapshot
 from queue_server.storage.backend import DB_DIR, Backend, CommitBatch
+from queue_server.storage.revisions import position
 from queue_server.storage.snapshot import CorruptSnapshotError, SnapshotStore
 from queue_server.storage.wal import WALFullError, WALGapError, WriteAheadLog
 
@@ -105,28 +105,6 @@ class BackendBehindLogError(RuntimeError):
     writes missing or doubled."""
 
 
-ENTRY_HEADER_BYTES = 14
-"""etcd measures a request against --max-request-bytes as its whole raft entry,
-which carries a request header our log entry has not (field 100 holding a 64-bit
-request id: 13 or 14 bytes, depending on the id's top bit); counting it keeps our
-limit within a byte of etcd's, never above it."""
-
-
-def too_large(command: internal_pb2.Command, payload: bytes, max_request_bytes: int) -> bool:
-    """etcd's --max-request-bytes check on a log entry: the request as etcd would
-    log it (ENTRY_HEADER_BYTES more), without the proposer's clock stamp, which
-    etcd's entries do not carry (a request at etcd's limit fits ours)."""
-    size = len(payload) + ENTRY_HEADER_BYTES
-    if command.now_ms:
-        size -= 1 + _varint_len(command.now_ms)  # field 14's tag is one byte
-    return size > max_request_bytes
-
-
-def _varint_len(value: int) -> int:
-    value &= (1 << 64) - 1  # an int64 is encoded as its 64-bit two's complement
-    return max(1, (value.bit_length() + 6) // 7)
-
-
 INLINE_BATCH = 1
 """A batch this small is written and fsynced on the event loop itself: the loop
 has nothing else waiting, and two thread hand-offs cost more than the fsync
@@ -135,11 +113,6 @@ has nothing else waiting, and two thread hand-offs cost more than the fsync
 MAX_BATCH = 4096
 """Most records per group commit: bounds the latency one batch adds to the next."""
 
-MAX_UNAPPLIED = 5000
-"""Proposals appended but not yet applied beyond which a new one is refused with
-etcd's `too many requests` (etcd's maxGapBetweenApplyAndCommitIndex): bounds the
-memory a flood of writers can pin, and they retry once the log catches up."""
-
 
 @dataclass(slots=True)
 class _Proposal:
@@ -147,20 +120,6 @@ class _Proposal:
     command: internal_pb2.Command
     record: bytes  # the encoded WAL record
     future: asyncio.Future[ApplyResult]
-
-
-def hash_revisions(backend: Backend, txn: lmdb.Transaction, bound: int) -> int:
-    """`MVCCStore.hash_kv` from a read transaction of the backend: over the
-    changes in revision order whose entry code is at most `bound` (any thread)."""
-    h = zlib.crc32(b"key")
-    parse = kv_pb2.KeyValue.FromString
-    for pos, tombstone, raw in backend.revisions(txn):
-        code = pos << 1 | tombstone
-        if code > bound:
-            break
-        kv = parse(raw)
-        h = hash_change(h, kv.key, code, None if tombstone else kv.value)
-    return h
 
 
 class LocalLog:
@@ -608,7 +567,7 @@ class LocalLog:
         value `MVCCStore.hash_kv` gives."""
         bound = position(self.state_machine.store.check_revision(revision)) << 1 | 1
         backend = self.backend
-        return await self._read_on_thread(lambda _index, txn: hash_revisions(backend, txn, bound))
+        return await self._read_on_thread(lambda _index, txn: backend.hash_revisions(txn, bound))
 
     async def defragment(self) -> None:
         """etcd's Defragment: the backend file rewritten without its free pages,
