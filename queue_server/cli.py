@@ -21,10 +21,11 @@ from queue_server import logs, restore
 from queue_server.config import ConfigError, parse_config
 
 if TYPE_CHECKING:
+    from queue_server.front.server import FrontServer
     from queue_server.server import Server
 
 
-async def serve(server: Server) -> None:
+async def serve(server: Server | FrontServer) -> None:
     """Start, then serve until SIGTERM or SIGINT, then stop gracefully. From the
     first signal on, the signals have their default action again: a second one
     ends the process at once, as etcd's does (every acknowledged write is on
@@ -98,15 +99,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.configure(config.log_level, config.log_format)
     logs.set_grpc_verbosity(config.log_level)
     # grpc reads GRPC_VERBOSITY when first imported: the server imports it
+    from queue_server.front.server import FrontServer, FrontStartError
     from queue_server.server import Server, StartupError
 
     gc.set_threshold(*GC_THRESHOLDS)
     sys.setswitchinterval(GIL_SWITCH_SECONDS)
-    server = Server(config)
+    server: Server | FrontServer = (
+        FrontServer(config) if config.backend_endpoints else Server(config)
+    )
     try:
         with asyncio.Runner(loop_factory=_new_loop) as runner:
             runner.run(serve(server))
-    except StartupError as e:
+    except (StartupError, FrontStartError) as e:
         native.stop()
         print(f"queue-server: {e}", file=sys.stderr)
         return 1

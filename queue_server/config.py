@@ -83,6 +83,12 @@ class Config:
     grpc_transport: str = "native"
     heartbeat_interval_ms: int = DEFAULT_HEARTBEAT_MS
     election_timeout_ms: int = DEFAULT_ELECTION_MS
+    backend_endpoints: tuple[str, ...] = ()
+    """A front over these etcd client URLs (empty: a server with its own data)."""
+    backend_cacert: str = ""
+    backend_cert: str = ""
+    backend_key: str = ""
+    backend_user: str = ""
 
     @property
     def clustered(self) -> bool:
@@ -367,6 +373,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a simple token lives after its last use",
     )
     add("--bcrypt-cost", type=int, default=10, help="bcrypt cost of hashed passwords (4-31)")
+    add(
+        "--backend-endpoints",
+        default="",
+        help="run as a front over an existing etcd cluster: its comma-separated client "
+        "URLs (no data dir is used; every call is forwarded)",
+    )
+    add("--backend-cacert", default="", help="PEM CA bundle to verify the backend with")
+    add("--backend-cert", default="", help="PEM client certificate presented to the backend")
+    add("--backend-key", default="", help="PEM private key of --backend-cert")
+    add(
+        "--backend-user",
+        default="",
+        help="name:password the front itself authenticates to the backend as",
+    )
     return p
 
 
@@ -529,6 +549,11 @@ def parse_config(
         max_concurrent_streams=a.max_concurrent_streams,
         max_watchers_per_stream=a.max_watchers_per_stream,
         grpc_transport=a.grpc_transport,
+        backend_endpoints=_csv(a.backend_endpoints),
+        backend_cacert=a.backend_cacert,
+        backend_cert=a.backend_cert,
+        backend_key=a.backend_key,
+        backend_user=a.backend_user,
     )
     names = [name for name, _ in config.initial_cluster]
     if config.name not in names:
@@ -547,5 +572,9 @@ def parse_config(
     config.metrics_addresses()
     check_tls(config.client_tls, config.listen_client_urls, "client")
     check_tls(config.peer_tls, config.listen_peer_urls, "peer")
+    if config.backend_user and ":" not in config.backend_user:
+        raise ConfigError("--backend-user must be name:password")
+    if config.backend_endpoints and config.grpc_transport != "native":
+        raise ConfigError("--backend-endpoints is served on --grpc-transport native only")
     parse_retention(config.auto_compaction_mode, config.auto_compaction_retention)
     return config

@@ -39,7 +39,7 @@ from queue_server.api.auth import AuthService
 from queue_server.api.auth_gate import AuthGate, guard
 from queue_server.api.cqs import CqsService, QueueWaiters
 from queue_server.api.election import ElectionService
-from queue_server.api.gateway_routes import gateway_settings
+from queue_server.api.gateway_routes import GATEWAY_PAGES, gateway_settings
 from queue_server.api.grpcio_server import ServedCalls, generic_handlers, stop_grpcio
 from queue_server.api.header import HeaderFiller
 from queue_server.api.kv import KVService
@@ -101,9 +101,6 @@ from queue_server.watch.hub import WatchHub
 
 log = logging.getLogger(__name__)
 
-GATEWAY_PAGES = ("/health", "/metrics", "/livez", "/readyz")
-"""The --listen-metrics-urls pages also answered on the client port (as etcd
-answers /health and /metrics there)."""
 SHUTDOWN_GRACE_SECONDS = 0.5
 """How long the unary calls in flight at a stop may take to finish before they
 are ended with UNAVAILABLE. A write waits for one fsync (milliseconds); one

@@ -78,6 +78,10 @@ sending when its client half-closes (its receive loop returns nil on EOF), and
 `curl -d '{"create_request": ...}' /v3/watch` relies on it. LeaseKeepAlive ends
 on EOF in etcd, so it is not here."""
 
+GATEWAY_PAGES = ("/health", "/metrics", "/livez", "/readyz")
+"""The --listen-metrics-urls pages also answered on the client port (as etcd
+answers /health and /metrics there)."""
+
 CLUSTER_VERSION = "3.5.0"
 """What etcd 3.5 reports as the cluster version (major.minor.0)."""
 

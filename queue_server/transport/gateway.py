@@ -558,6 +558,8 @@ class HttpConnection(asyncio.Protocol):
             if not method.response_streaming:
                 response = await method.handler(request, call)
                 self._task = None
+                if type(response) is bytes:  # serialized already (a front's forward)
+                    response = method.response_class.FromString(response)
                 body = to_json(response)
                 headers = [*_OK_HEADERS, (b"Content-Length", b"%d" % len(body))]
                 self._send(h11.Response(status_code=200, reason=_reason(200), headers=headers))

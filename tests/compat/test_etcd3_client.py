@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.processes import EtcdProcess, ServerProcess
+from tests.support.processes import EtcdProcess, FrontProcess, ServerProcess
 
 pytestmark = pytest.mark.compat
 
@@ -601,4 +601,32 @@ def test_locks(ours: dict[str, Any], reference: dict[str, Any]) -> None:
             "context_manager": True,
             "after_context": None,
         },
+    )
+
+
+# -- through a front ------------------------------------------------------------
+
+
+def test_every_scenario_through_a_front_answers_as_etcd(
+    front: FrontProcess, etcd: EtcdProcess, reference: dict[str, Any]
+) -> None:
+    """The whole scenario run again through a front (--backend-endpoints) over
+    an etcd of its own: every scenario's output equals etcd's own, raised
+    errors included. The two etcds differ only in who they are (member id,
+    client URL), which a front passes through as grpc-proxy does, and in the
+    size of their files."""
+    through = finish_scenarios(start_scenarios(front.endpoint), SCRIPT_TIMEOUT)
+    assert set(through) == set(reference)
+    text = json.dumps(through, sort_keys=True)
+    ids = (result_of(through, "status")["member_id"], result_of(reference, "status")["member_id"])
+    assert front.backend_etcd is not None
+    text = text.replace(str(ids[0]), str(ids[1])).replace(front.backend[0], etcd.endpoint)
+    text = text.replace(f":{front.backend_etcd.peer_port}", f":{etcd.peer_port}")
+    through, reference = json.loads(text), json.loads(json.dumps(reference))
+    for out in (through, reference):  # bbolt's file size follows its commit timing
+        result_of(out, "status")["db_size"] = 0
+    differ = [name for name in reference if through[name] != reference[name]]
+    assert not differ, (
+        "scenarios a front answers otherwise than etcd: "
+        + json.dumps({name: (through[name], reference[name]) for name in differ}, indent=1)[:4000]
     )

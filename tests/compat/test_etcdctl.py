@@ -38,7 +38,14 @@ class Ctl:
     """etcdctl bound to one endpoint."""
 
     endpoint: str
-    kind: str  # "queue-server" or "etcd"
+    kind: str  # "queue-server", "etcd" or "front"
+    member_endpoint: str = ""
+    """The client URL MemberList advertises, when it is not `endpoint`: a front
+    passes etcd's member list through, as grpc-proxy does."""
+
+    @property
+    def advertised(self) -> str:
+        return self.member_endpoint or self.endpoint
 
     def run(self, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -75,10 +82,13 @@ class Ctl:
         return int(self.json("get", "/ctl-probe")["header"]["revision"])
 
 
-@pytest.fixture(scope="module", params=["queue-server", "etcd"])
+@pytest.fixture(scope="module", params=["queue-server", "etcd", "front"])
 def ctl(request: pytest.FixtureRequest) -> Iterator[Ctl]:
-    proc = request.getfixturevalue("server" if request.param == "queue-server" else "etcd")
-    yield Ctl(proc.endpoint, request.param)
+    """etcdctl against our server, a real etcd, and a front over a real etcd
+    (which must answer exactly as that etcd does)."""
+    fixture = {"queue-server": "server", "etcd": "etcd", "front": "front"}[request.param]
+    proc = request.getfixturevalue(fixture)
+    yield Ctl(proc.endpoint, request.param, getattr(proc, "backend", [""])[0])
 
 
 def b64(text: str) -> str:
@@ -469,12 +479,12 @@ def test_member_list(ctl: Ctl) -> None:
     out = ctl.json("member", "list")
     [member] = out["members"]
     assert member["ID"] == out["header"]["member_id"]
-    assert member["clientURLs"] == [f"http://{ctl.endpoint}"]
+    assert member["clientURLs"] == [f"http://{ctl.advertised}"]
     assert member["name"]
     assert len(member["peerURLs"]) == 1
     assert "isLearner" not in member
     row = ctl.ok("member", "list")
     assert row == (
         f"{format(member['ID'], 'x')}, started, {member['name']}, "
-        f"{member['peerURLs'][0]}, http://{ctl.endpoint}, false\n"
+        f"{member['peerURLs'][0]}, http://{ctl.advertised}, false\n"
     )

@@ -52,7 +52,7 @@ EXPIRY_BOUND = 10.0
 """A lease of LEASE_TTL is gone well within this (etcd checks expiry every 500 ms)."""
 
 
-@pytest.fixture(params=["server", "etcd"], ids=["ours", "etcd"])
+@pytest.fixture(params=["server", "etcd", "front"], ids=["ours", "etcd", "front"])
 def port(request: pytest.FixtureRequest) -> int:
     proc = request.getfixturevalue(request.param)
     return int(proc.port)

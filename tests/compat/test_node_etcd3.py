@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.processes import EtcdProcess, ServerProcess
+from tests.support.processes import EtcdProcess, FrontProcess, ServerProcess
 
 pytestmark = pytest.mark.compat
 
@@ -263,3 +263,13 @@ def test_same_results_as_etcd(node: str, suite: SuiteRun, etcd: EtcdProcess) -> 
     assert ref.returncode == 0, f"stdout: {ref.stdout[-3000:]}\nstderr: {ref.stderr[-3000:]}"
     assert suite.returncode == 0
     assert _comparable(suite.report) == _comparable(ref.report)
+
+
+def test_suite_passes_through_a_front(node: str, front: FrontProcess) -> None:
+    """The same suite through a front (--backend-endpoints) over a real etcd:
+    every step runs without an error, as it does against our own server."""
+    run = run_suite(node, front.endpoint)
+    detail = f"stdout: {run.stdout[-3000:]}\nstderr: {run.stderr[-3000:]}"
+    assert run.returncode == 0, detail
+    assert run.report["ok"] is True, detail
+    assert run.report["errors"] == {}, detail

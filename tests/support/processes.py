@@ -211,12 +211,21 @@ class EtcdProcess:
         )
         return etcd
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        extra_args: list[str] | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        """With `credentials` the client URL is https (its TLS flags go in
+        `extra_args`) and readiness is asked over TLS with them."""
         self.data_dir = data_dir
         self.port = free_port()
         self.peer_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
+        self.extra_args = list(extra_args or [])
+        self.credentials = credentials
 
     @staticmethod
     def available() -> bool:
@@ -226,8 +235,12 @@ class EtcdProcess:
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def url(self) -> str:
+        return f"{'http' if self.credentials is None else 'https'}://{self.endpoint}"
+
     def start(self) -> EtcdProcess:
-        url = f"http://{self.endpoint}"
+        url = self.url
         peer = f"http://127.0.0.1:{self.peer_port}"
         cmd = [
             "etcd",
@@ -245,12 +258,98 @@ class EtcdProcess:
             peer,
             "--initial-cluster",
             f"ref={peer}",
+            *self.extra_args,
         ]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        wait_ready(self.endpoint, self.proc)
+        wait_ready(self.endpoint, self.proc, credentials=self.credentials)
         return self
 
     def stop(self) -> None:
         if self.proc is not None:
             terminate(self.proc)
+
+
+class EtcdCluster:
+    """Three real etcd members (Debian's etcd-server) forming one cluster, on
+    127.0.0.1 ports of their own; each is ended by its pid."""
+
+    def __init__(self, workdir: Path, size: int = 3) -> None:
+        self.members = [EtcdProcess(workdir / f"e{i}.etcd") for i in range(1, size + 1)]
+        self.names = [f"e{i}" for i in range(1, size + 1)]
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * size
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.endpoint for m in self.members]
+
+    def initial_cluster(self) -> str:
+        return ",".join(
+            f"{n}=http://127.0.0.1:{m.peer_port}"
+            for n, m in zip(self.names, self.members, strict=True)
+        )
+
+    def start_member(self, i: int, state: str = "new") -> None:
+        m, name = self.members[i], self.names[i]
+        url, peer = f"http://{m.endpoint}", f"http://127.0.0.1:{m.peer_port}"
+        cmd = [
+            *("etcd", "--name", name, "--data-dir", str(m.data_dir)),
+            *("--listen-client-urls", url, "--advertise-client-urls", url),
+            *("--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer),
+            *("--initial-cluster", self.initial_cluster()),
+            *("--initial-cluster-state", state, "--initial-cluster-token", "front-tests"),
+            *("--heartbeat-interval", "50", "--election-timeout", "500"),
+        ]
+        with open(m.log_path, "ab") as log:
+            m.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+    def start(self) -> EtcdCluster:
+        for i in range(len(self.members)):
+            self.start_member(i)
+        for m in self.members:
+            wait_ready(m.endpoint, m.proc)
+        return self
+
+    def leader(self) -> int:
+        """The index of the member that leads now (asked of every live member)."""
+        for m in self.members:
+            if m.proc is None or m.proc.poll() is not None:
+                continue
+            with grpc.insecure_channel(m.endpoint) as ch:
+                try:
+                    st = rpc_pb2_grpc.MaintenanceStub(ch).Status(rpc_pb2.StatusRequest(), timeout=2)
+                except grpc.RpcError:
+                    continue
+                if st.leader == st.header.member_id:
+                    return self.members.index(m)
+        raise RuntimeError("no etcd member says it leads")
+
+    def kill(self, i: int) -> None:
+        proc = self.members[i].proc
+        assert proc is not None
+        proc.kill()
+        proc.wait(timeout=STOP_TIMEOUT)
+
+    def restart(self, i: int) -> None:
+        self.start_member(i, state="existing")
+        wait_ready(self.members[i].endpoint, self.members[i].proc)
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+
+
+class FrontProcess(ServerProcess):
+    """Our server as a front (`--backend-endpoints`) over real etcd endpoints.
+    `data_dir` names its log file; a front creates nothing there."""
+
+    def __init__(
+        self, data_dir: Path, backend: list[str], extra_args: list[str] | None = None
+    ) -> None:
+        self.backend = backend
+        self.backend_etcd: EtcdProcess | None = None
+        """The one etcd behind it, when a fixture started one for it alone."""
+        backend_urls = ",".join(e if "://" in e else f"http://{e}" for e in backend)
+        super().__init__(
+            data_dir, extra_args=["--backend-endpoints", backend_urls, *(extra_args or [])]
+        )

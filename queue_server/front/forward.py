@@ -1,0 +1,166 @@
+"""Every method of etcd's API, served by forwarding the call to the backend.
+
+What belongs here: the method table of a front (`forward_methods`). Each
+handler hands the request's bytes to the backend as they came, with the
+client's metadata (its auth token, `hasleader`) and what is left of its
+deadline, and hands back the backend's response bytes, or its status code and
+message unchanged. Nothing is parsed on the gRPC path; requests from the
+HTTP/JSON gateway arrive as messages and are serialized once.
+
+Streams are forwarded message by message in both directions: one backend
+stream per client stream. When either side ends, the other is ended too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message_factory import GetMessageClass
+from grpc import aio
+
+from etcdserverpb import rpc_pb2, v3election_pb2, v3lock_pb2
+from queue_server.front.upstream import Upstream
+from queue_server.transport.methods import Call, Handler, Method
+from queue_server.transport.status import Status
+
+SERVICES: tuple[ServiceDescriptor, ...] = (
+    *rpc_pb2.DESCRIPTOR.services_by_name.values(),
+    v3lock_pb2.DESCRIPTOR.services_by_name["Lock"],
+    v3election_pb2.DESCRIPTOR.services_by_name["Election"],
+)
+"""What etcd 3.5 serves on its client port, all of it forwarded."""
+
+WAITING = frozenset(
+    {
+        "/etcdserverpb.Watch/Watch",
+        "/etcdserverpb.Lease/LeaseKeepAlive",
+        "/v3lockpb.Lock/Lock",
+        "/v3electionpb.Election/Campaign",
+        "/v3electionpb.Election/Observe",
+    }
+)
+"""Calls that last as long as the client wants: a stop ends them at once."""
+
+UNAVAILABLE_TEXT = "etcdserver: backend unavailable: "
+"""How a front says the backend did not answer (the code is UNAVAILABLE, which
+every etcd client retries or reports as it does for etcd's own)."""
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+def _as_bytes(request: Any) -> bytes:
+    return request if type(request) is bytes else bytes(request.SerializeToString())
+
+
+def _metadata(call: Call) -> tuple[tuple[str, str], ...]:
+    return tuple(call.invocation_metadata())
+
+
+async def _abort_with(call: Call, error: aio.AioRpcError) -> None:
+    code = Status(error.code().value[0])
+    details = error.details() or ""
+    if code is Status.UNAVAILABLE and not details.startswith("etcdserver:"):
+        details = UNAVAILABLE_TEXT + details  # grpc's own words, not etcd's
+    await call.abort(code, details)
+
+
+def _unary(upstream: Upstream, path: str) -> Handler:
+    send = upstream.channel.unary_unary(path, _identity, _identity)
+
+    async def handler(request: Any, call: Call) -> bytes:
+        try:
+            reply: bytes = await send(
+                _as_bytes(request), metadata=_metadata(call), timeout=call.time_remaining()
+            )
+        except aio.AioRpcError as e:
+            await _abort_with(call, e)
+            raise  # not reached: abort raises
+        return reply
+
+    return handler
+
+
+def _server_stream(upstream: Upstream, path: str) -> Handler:
+    open_stream = upstream.channel.unary_stream(path, _identity, _identity)
+
+    async def handler(request: Any, call: Call) -> AsyncIterator[bytes]:
+        stream = open_stream(
+            _as_bytes(request), metadata=_metadata(call), timeout=call.time_remaining()
+        )
+        try:
+            async for reply in stream:
+                yield reply
+        except aio.AioRpcError as e:
+            await _abort_with(call, e)
+        finally:
+            stream.cancel()
+
+    return handler
+
+
+def _bidi_stream(upstream: Upstream, path: str) -> Handler:
+    open_stream = upstream.channel.stream_stream(path, _identity, _identity)
+
+    async def handler(requests: AsyncIterator[Any], call: Call) -> AsyncIterator[bytes]:
+        stream = open_stream(None, metadata=_metadata(call), timeout=call.time_remaining())
+
+        async def pump() -> None:
+            with contextlib.suppress(aio.AioRpcError, asyncio.InvalidStateError):
+                async for request in requests:
+                    await stream.write(_as_bytes(request))
+                await stream.done_writing()
+
+        pumping = asyncio.ensure_future(pump())
+        try:
+            while True:
+                reply = await stream.read()
+                if type(reply) is not bytes:  # grpc.aio.EOF: the backend ended the stream
+                    break
+                yield reply
+        except aio.AioRpcError as e:
+            await _abort_with(call, e)
+        finally:
+            pumping.cancel()
+            stream.cancel()
+
+    return handler
+
+
+def _handler(upstream: Upstream, path: str, client_streams: bool, server_streams: bool) -> Handler:
+    make: Callable[[Upstream, str], Handler]
+    if client_streams:
+        make = _bidi_stream  # etcd has no client-streaming-only method
+    elif server_streams:
+        make = _server_stream
+    else:
+        make = _unary
+    return make(upstream, path)
+
+
+def forward_methods(upstream: Upstream) -> list[Method]:
+    """Every method of `SERVICES`, forwarded to `upstream`."""
+    methods = []
+    for service in SERVICES:
+        for m in service.methods:
+            path = f"/{service.full_name}/{m.name}"
+            methods.append(
+                Method(
+                    service=service.full_name,
+                    name=m.name,
+                    request_streaming=m.client_streaming,
+                    response_streaming=m.server_streaming,
+                    parse=bytes,
+                    handler=_handler(upstream, path, m.client_streaming, m.server_streaming),
+                    serialize=_identity,
+                    request_class=GetMessageClass(m.input_type),
+                    response_class=GetMessageClass(m.output_type),
+                    waits=path in WAITING,
+                )
+            )
+    return methods
