@@ -23,6 +23,7 @@ from google.protobuf.message_factory import GetMessageClass
 from grpc import aio
 
 from etcdserverpb import rpc_pb2, v3election_pb2, v3lock_pb2
+from queue_server.front.h2_client import CallError
 from queue_server.front.upstream import Upstream
 from queue_server.transport.methods import Call, Handler, Method
 from queue_server.transport.status import Status
@@ -71,17 +72,19 @@ async def _abort_with(call: Call, error: aio.AioRpcError) -> None:
 
 
 def _unary(upstream: Upstream, path: str) -> Handler:
-    send = upstream.channel.unary_unary(path, _identity, _identity)
+    send = upstream.unary.call
 
     async def handler(request: Any, call: Call) -> bytes:
         try:
-            reply: bytes = await send(
-                _as_bytes(request), metadata=_metadata(call), timeout=call.time_remaining()
+            return await send(
+                path, _as_bytes(request), call.invocation_metadata(), call.time_remaining()
             )
-        except aio.AioRpcError as e:
-            await _abort_with(call, e)
+        except CallError as e:
+            message = e.message
+            if e.code is Status.UNAVAILABLE and not message.startswith("etcdserver:"):
+                message = UNAVAILABLE_TEXT + message
+            await call.abort(e.code, message)
             raise  # not reached: abort raises
-        return reply
 
     return handler
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -27,6 +28,7 @@ import grpc
 from grpc import aio
 
 from etcdserverpb import rpc_pb2
+from queue_server.front.h2_client import UnaryPool
 
 
 class UpstreamError(ValueError):
@@ -121,9 +123,11 @@ class Upstream:
             ("grpc.max_reconnect_backoff_ms", 1000),
             ("grpc.enable_retries", 1),
         ]
+        tls: ssl.SSLContext | None = None
         if secure:
             if bool(config.cert) != bool(config.key):
                 raise UpstreamError("--backend-cert and --backend-key go together")
+            tls = _client_context(config)
             credentials = grpc.ssl_channel_credentials(
                 root_certificates=_read(config.cacert, "--backend-cacert")
                 if config.cacert
@@ -139,6 +143,9 @@ class Upstream:
                     "--backend-cacert/--backend-cert/--backend-key need https endpoints"
                 )
             self.channel = aio.insecure_channel(target, options=options)
+        self.unary = UnaryPool(addresses, tls, first_host)
+        """Unary calls go over our own HTTP/2 client (`front/h2_client.py`);
+        streams and the front's own calls over `channel`."""
         self._token = ""
         self._token_lock = asyncio.Lock()
 
@@ -170,4 +177,17 @@ class Upstream:
         return (("token", self._token),)
 
     async def close(self) -> None:
+        await self.unary.close()
         await self.channel.close(grace=None)
+
+
+def _client_context(config: UpstreamConfig) -> ssl.SSLContext:
+    """TLS to the backend: its CA (or the system's), our certificate if given, ALPN h2."""
+    try:
+        context = ssl.create_default_context(cafile=config.cacert or None)
+        if config.cert:
+            context.load_cert_chain(config.cert, config.key)
+    except (OSError, ssl.SSLError) as e:
+        raise UpstreamError(f"backend TLS files: {e}") from None
+    context.set_alpn_protocols(["h2"])
+    return context

@@ -1,0 +1,231 @@
+"""Plain KV through a front, against straight to etcd and through etcd's own grpc-proxy.
+
+Run it with::
+
+    python -m benchmarks.front_tool [--quick] [--workloads put64,range64] [--tool PATH] \\
+        [--etcd PATH] [--out FILE.md] [--json FILE] [--timeout SECONDS]
+
+What it owns: for each workload and each path (`etcd`: the tool straight to etcd; `front`: the
+tool to our server run as `--backend-endpoints` over that etcd; `grpc-proxy`: the tool to
+`etcd grpc-proxy start` over it) it starts a fresh etcd in a new temporary directory, the
+front or proxy if the path has one, runs etcd's benchmark tool with the same flags as
+`benchmarks.etcd_tool`'s workload of that name, and stops each process by its pid. It reads the
+CPU time of etcd and of the front or proxy separately over the run, and writes a Markdown
+table (requests/s, ratio to straight-to-etcd, p50/p99, CPU per request of each process) and
+JSON. The paths run one after another, never at the same time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from benchmarks.etcd_tool import (
+    FULL_RUN_TIMEOUT,
+    QUICK_RUN_TIMEOUT,
+    SETUP_TIMEOUT,
+    WORKLOADS_BY_NAME,
+    RunResult,
+    Workload,
+    run_tool_on,
+)
+from benchmarks.options import (
+    add_common_args,
+    chosen_workloads,
+    resolve_common_args,
+    run_meta,
+    stop_on_sigterm,
+)
+from benchmarks.servers import EtcdServer, OursServer, Server, free_port, log, process_tree_cpu
+
+PATHS = ("etcd", "front", "grpc-proxy")
+DEFAULT_WORKLOADS = ("put64", "range64")
+
+
+class FrontServer(OursServer):
+    """Our server as a front over `backend` (no data dir of its own)."""
+
+    def __init__(self, work_dir: Path, etcdctl: str, backend: str) -> None:
+        super().__init__(work_dir, etcdctl, None)
+        self.kind = "front"
+        self.log_path = work_dir / "front.log"
+        self.backend = backend
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "queue_server.cli",
+            "--backend-endpoints",
+            self.backend,
+            "--listen-client-urls",
+            self.url,
+            "--advertise-client-urls",
+            self.url,
+        ]
+
+
+class GrpcProxyServer(Server):
+    """`etcd grpc-proxy start` over `backend`, as etcd ships it."""
+
+    def __init__(self, work_dir: Path, etcdctl: str, binary: str, backend: str) -> None:
+        super().__init__("grpc-proxy", work_dir, etcdctl)
+        self.binary = binary
+        self.backend = backend
+        self.metrics_port = free_port()
+
+    def command(self) -> list[str]:
+        return [
+            self.binary,
+            "grpc-proxy",
+            "start",
+            f"--endpoints={self.backend}",
+            f"--listen-addr={self.endpoint}",
+            f"--metrics-addr=http://127.0.0.1:{self.metrics_port}",
+        ]
+
+
+def run_path(
+    path: str, wl: Workload, n: int, args: argparse.Namespace, work_dir: Path
+) -> tuple[RunResult, float | None]:
+    """One measured run on a fresh etcd; (result, etcd's CPU seconds over the run)."""
+    etcd = EtcdServer(work_dir / path, args.etcdctl, args.etcd)
+    etcd.work_dir.mkdir(parents=True, exist_ok=True)
+    etcd.log_path = etcd.work_dir / "etcd.log"
+    middle: Server | None = None
+    try:
+        etcd.start()
+        if path == "front":
+            middle = FrontServer(etcd.work_dir, args.etcdctl, etcd.url)
+        elif path == "grpc-proxy":
+            middle = GrpcProxyServer(etcd.work_dir, args.etcdctl, args.etcd, etcd.url)
+        if middle is not None:
+            middle.start()
+        target = middle or etcd
+        log(f"  {path}: serving on {target.endpoint} (pid {target.pid})")
+        if wl.setup_key is not None:
+            r = target.etcdctl_run("put", wl.setup_key, "bar", timeout=SETUP_TIMEOUT)
+            if r.returncode != 0:
+                raise RuntimeError(f"setup put {wl.setup_key} failed: {r.stderr.strip()}")
+        etcd_cpu0 = process_tree_cpu(etcd.pid)
+        res = run_tool_on(args.tool, [target], target.endpoint, wl, n, args.timeout, work_dir)
+        etcd_cpu = process_tree_cpu(etcd.pid) - etcd_cpu0
+        res.server = path
+        return res, etcd_cpu
+    except Exception as e:
+        return RunResult(server=path, workload=wl.name, command=[], ok=False, error=str(e)), None
+    finally:
+        if middle is not None:
+            middle.stop()
+        etcd.stop()
+
+
+def _per_request_us(cpu: float | None, res: RunResult) -> str:
+    if cpu is None or not res.report.requests:
+        return "—"
+    return f"{cpu * 1e6 / res.report.requests:,.0f}"
+
+
+def markdown(
+    rows: list[tuple[Workload, int, dict[str, tuple[RunResult, float | None]]]],
+    meta: dict[str, Any],
+) -> str:
+    out = [
+        "# Plain KV through a front, straight to etcd, and through etcd's grpc-proxy",
+        "",
+        f"- commit {meta.get('commit')}, etcd {meta.get('etcd_version')}, {meta.get('date')}",
+        f"- tool: etcd's benchmark ({meta.get('tool')}), {meta.get('mode')} counts",
+        "- CPU per request: of the front or proxy (`middle`) and of etcd, in µs",
+        "",
+        "| workload | path | req/s | vs straight | p50 ms | p99 ms | middle µs/req | etcd µs/req |",
+        "|---|---|--:|--:|--:|--:|--:|--:|",
+    ]
+    for wl, _, results in rows:
+        straight = results["etcd"][0].report.rps
+        for path in PATHS:
+            res, etcd_cpu = results[path]
+            if not res.ok or res.report.rps is None:
+                out.append(f"| {wl.name} | {path} | failed: {res.error} | | | | | |")
+                continue
+            ratio = f"{res.report.rps / straight:.2f}x" if straight else "—"
+            p = res.report.percentiles_ms
+            middle = "—" if path == "etcd" else _per_request_us(res.server_cpu_s, res)
+            etcd_us = _per_request_us(res.server_cpu_s if path == "etcd" else etcd_cpu, res)
+            out.append(
+                f"| {wl.name} | {path} | {res.report.rps:,.0f} | {ratio} | "
+                f"{p.get('50', 0):.2f} | {p.get('99', 0):.2f} | {middle} | {etcd_us} |"
+            )
+    return "\n".join(out) + "\n"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.front_tool",
+        description="KV through a front vs straight to etcd vs grpc-proxy, with etcd's tool.",
+    )
+    add_common_args(p, QUICK_RUN_TIMEOUT, FULL_RUN_TIMEOUT, workloads=list(WORKLOADS_BY_NAME))
+    args = p.parse_args(argv)
+    if args.workloads == ",".join(WORKLOADS_BY_NAME):
+        args.workloads = ",".join(DEFAULT_WORKLOADS)
+    args.workload_list = chosen_workloads(p, args.workloads, WORKLOADS_BY_NAME)
+    resolve_common_args(p, args, QUICK_RUN_TIMEOUT, FULL_RUN_TIMEOUT)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
+    meta = run_meta(args)
+    meta["tool"] = args.tool
+    meta["mode"] = "quick" if args.quick else "full"
+    rows = []
+    failed = False
+    for wl in args.workload_list:
+        n = wl.quick if args.quick else wl.full
+        work_dir = Path(tempfile.mkdtemp(prefix=f"front-tool-{wl.name}-"))
+        log(f"{wl.name}: {n:,} ({meta['mode']}) in {work_dir}")
+        results = {}
+        for path in PATHS:
+            res, etcd_cpu = run_path(path, wl, n, args, work_dir)
+            results[path] = (res, etcd_cpu)
+            if res.ok and res.report.rps is not None:
+                log(f"  {path}: {res.report.rps:,.0f} req/s, CPU {res.server_cpu_s:.2f}s")
+            else:
+                failed = True
+                log(f"  {path}: FAILED: {res.error}")
+        rows.append((wl, n, results))
+        if not failed:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    md = markdown(rows, meta)
+    if args.out:
+        args.out.write_text(md)
+    if args.json:
+        payload = {
+            "meta": meta,
+            "rows": [
+                {
+                    "workload": wl.name,
+                    "total": n,
+                    "paths": {
+                        path: {"result": asdict(res), "etcd_cpu_s": cpu}
+                        for path, (res, cpu) in results.items()
+                    },
+                }
+                for wl, n, results in rows
+            ],
+        }
+        args.json.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    print(md)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
