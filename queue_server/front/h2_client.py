@@ -131,6 +131,7 @@ class _Connection(asyncio.Protocol):
         self.decoder = Decoder()
         self.decoded: dict[bytes, list[tuple[bytes, bytes]]] = {}
         self.blocked: list[int] = []
+        self._out: list[bytes] = []
         self._orphan = bytearray()
         """A header block of a stream we no longer wait for, still decoded so the
         decoder's table stays in step with the backend's encoder."""
@@ -202,7 +203,7 @@ class _Connection(asyncio.Protocol):
             self._on_window_update(sid, int.from_bytes(payload[:4], "big") & 0x7FFFFFFF)
         elif ftype == PING:
             if not flags & FLAG_ACK and self.transport is not None:
-                self.transport.write(_frame(PING, FLAG_ACK, 0, payload))
+                self._write(_frame(PING, FLAG_ACK, 0, payload))
         elif ftype == RST_STREAM:
             self._on_rst(sid, ErrorCode(int.from_bytes(payload[:4], "big")))
         elif ftype == GOAWAY:
@@ -218,8 +219,7 @@ class _Connection(asyncio.Protocol):
                     call.send_window += delta
             elif key == SETTINGS_MAX_FRAME_SIZE:
                 self.peer_max_frame = value
-        assert self.transport is not None
-        self.transport.write(_frame(SETTINGS, FLAG_ACK, 0))
+        self._write(_frame(SETTINGS, FLAG_ACK, 0))
         if not self.ready.done():
             self.ready.set_result(None)
         self._send_blocked()
@@ -237,7 +237,7 @@ class _Connection(asyncio.Protocol):
     def _on_data(self, flags: int, sid: int, payload: bytes) -> None:
         self.recv_used += len(payload)
         if self.recv_used >= RECV_TOP_UP and self.transport is not None:
-            self.transport.write(_frame(WINDOW_UPDATE, 0, 0, self.recv_used.to_bytes(4, "big")))
+            self._write(_frame(WINDOW_UPDATE, 0, 0, self.recv_used.to_bytes(4, "big")))
             self.recv_used = 0
         call = self.calls.get(sid)
         if call is None:
@@ -313,11 +313,13 @@ class _Connection(asyncio.Protocol):
             message = f"the backend is going away: {debug.decode('utf-8', 'replace')}"
             self._finish(sid, self.calls[sid], CallError(Status.UNAVAILABLE, message, retry=True))
         if not self.calls and self.transport is not None:
+            self._flush()
             self.transport.close()
 
     def _fail(self, code: ErrorCode, message: str) -> None:
         if self.transport is not None:
-            self.transport.write(_frame(GOAWAY, 0, 0, bytes(4) + int(code).to_bytes(4, "big")))
+            self._write(_frame(GOAWAY, 0, 0, bytes(4) + int(code).to_bytes(4, "big")))
+            self._flush()
             self.transport.close()
 
     # -- calls -----------------------------------------------------------------------------
@@ -355,6 +357,7 @@ class _Connection(asyncio.Protocol):
 
     def _after_call(self) -> None:
         if self.draining and not self.calls and self.transport is not None:
+            self._flush()
             self.transport.close()
 
     def start(self, header_block: bytes, message: bytes) -> asyncio.Future[bytes]:
@@ -367,10 +370,22 @@ class _Connection(asyncio.Protocol):
             asyncio.get_running_loop().create_future(), memoryview(body), self.peer_initial
         )
         self.calls[sid] = call
-        self.transport.write(_frame(HEADERS, FLAG_END_HEADERS, sid, header_block))
+        self._write(_frame(HEADERS, FLAG_END_HEADERS, sid, header_block))
         if not self._send(sid, call):
             self.blocked.append(sid)
         return call.done
+
+    def _write(self, data: bytes) -> None:
+        """Queue bytes for the socket: what one turn of the loop queues goes out
+        in one write (many calls start in the same turn under load)."""
+        self._out.append(data)
+        if len(self._out) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        if self._out and self.transport is not None and not self.lost:
+            self.transport.write(b"".join(self._out))
+        self._out.clear()
 
     def _send(self, sid: int, call: _Call) -> bool:
         """Send what the windows allow of the request; True when all of it is out."""
@@ -385,7 +400,7 @@ class _Connection(asyncio.Protocol):
             call.send_window -= size
             out.append(_frame(DATA, 0 if call.pending else FLAG_END_STREAM, sid, bytes(chunk)))
         if out:
-            self.transport.write(b"".join(out))
+            self._write(b"".join(out))
         return not call.pending
 
     def _send_blocked(self) -> None:
@@ -401,7 +416,7 @@ class _Connection(asyncio.Protocol):
             if call.done is future:
                 del self.calls[sid]
                 if self.transport is not None and not self.lost:
-                    self.transport.write(
+                    self._write(
                         _frame(RST_STREAM, 0, sid, int(ErrorCode.CANCEL).to_bytes(4, "big"))
                     )
                 self._after_call()
