@@ -7,7 +7,12 @@ with no I/O, is a library beside the package and imports nothing from it.
 
 - `client/`    a client library for both queues (asyncio and blocking), over
                 grpcio and etcdserverpb: nothing in the server imports it.
-- `cli.py`      the `queue-server` command: flags -> Config -> Server, signals, exit status.
+- `cli.py`      the `queue-server` command: flags -> Config -> Server (or, with
+                --backend-endpoints, FrontServer), signals, exit status.
+- `front/`      a front over an existing etcd: every etcd method forwarded as bytes
+                (`forward.py`), the backend connection (`upstream.py`, and our own
+                HTTP/2 client for unary calls, `h2_client.py`), its lifecycle
+                (`server.py`). Keeps no data.
 - `server.py`   composition and lifecycle: builds the parts, hands them to the node
                 driver, binds the ports; graceful stop. With --initial-cluster it
                 puts `replication.driver.ClusterLog` (Raft) where the local log would be.
