@@ -8,7 +8,11 @@ message unchanged. Nothing is parsed on the gRPC path; requests from the
 HTTP/JSON gateway arrive as messages and are serialized once.
 
 Streams are forwarded message by message in both directions: one backend
-stream per client stream. When either side ends, the other is ended too.
+stream per client stream. When either side ends, the other is ended too. The
+stream handlers are coroutines that write (`Call.write`), not async generators:
+a cancelled call then runs their `finally` at once, where a generator's would
+wait for the garbage collector, and with it the end of the backend stream and
+a consumer's unregistration.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from grpc import aio
 
 from etcdserverpb import rpc_pb2, v3election_pb2, v3lock_pb2
 from queue_server.front.h2_client import CallError
+from queue_server.front.queues import QueueFronts, WatchStreamState
 from queue_server.front.upstream import Upstream
 from queue_server.transport.methods import Call, Handler, Method
 from queue_server.transport.status import Status
@@ -92,13 +97,13 @@ def _unary(upstream: Upstream, path: str) -> Handler:
 def _server_stream(upstream: Upstream, path: str) -> Handler:
     open_stream = upstream.channel.unary_stream(path, _identity, _identity)
 
-    async def handler(request: Any, call: Call) -> AsyncIterator[bytes]:
+    async def handler(request: Any, call: Call) -> None:
         stream = open_stream(
             _as_bytes(request), metadata=_metadata(call), timeout=call.time_remaining()
         )
         try:
             async for reply in stream:
-                yield reply
+                await call.write(reply)
         except aio.AioRpcError as e:
             await _abort_with(call, e)
         finally:
@@ -110,7 +115,7 @@ def _server_stream(upstream: Upstream, path: str) -> Handler:
 def _bidi_stream(upstream: Upstream, path: str) -> Handler:
     open_stream = upstream.channel.stream_stream(path, _identity, _identity)
 
-    async def handler(requests: AsyncIterator[Any], call: Call) -> AsyncIterator[bytes]:
+    async def handler(requests: AsyncIterator[Any], call: Call) -> None:
         stream = open_stream(None, metadata=_metadata(call), timeout=call.time_remaining())
 
         async def pump() -> None:
@@ -125,12 +130,50 @@ def _bidi_stream(upstream: Upstream, path: str) -> Handler:
                 reply = await stream.read()
                 if type(reply) is not bytes:  # grpc.aio.EOF: the backend ended the stream
                     break
-                yield reply
+                await call.write(reply)
         except aio.AioRpcError as e:
             await _abort_with(call, e)
         finally:
             pumping.cancel()
             stream.cancel()
+
+    return handler
+
+
+WATCH_PATH = "/etcdserverpb.Watch/Watch"
+
+
+def _watch_stream(upstream: Upstream, queues: QueueFronts) -> Handler:
+    """Watch, forwarded with the queues' say: a consumer's watch is registered and
+    rewritten (`QueueFronts.on_watch_request`), and its end unregisters it."""
+    open_stream = upstream.channel.stream_stream(WATCH_PATH, _identity, _identity)
+
+    async def handler(requests: AsyncIterator[Any], call: Call) -> None:
+        state = WatchStreamState()
+        stream = open_stream(None, metadata=_metadata(call), timeout=call.time_remaining())
+
+        async def pump() -> None:
+            try:
+                async for request in requests:
+                    await stream.write(await queues.on_watch_request(_as_bytes(request), state))
+                await stream.done_writing()
+            except (aio.AioRpcError, asyncio.InvalidStateError):
+                stream.cancel()  # the registration or the stream failed: end the call
+
+        pumping = asyncio.ensure_future(pump())
+        try:
+            while True:
+                reply = await stream.read()
+                if type(reply) is not bytes:
+                    break
+                queues.on_watch_response(reply, state)
+                await call.write(reply)
+        except aio.AioRpcError as e:
+            await _abort_with(call, e)
+        finally:
+            pumping.cancel()
+            stream.cancel()
+            queues.on_watch_stream_end(state)
 
     return handler
 
@@ -146,12 +189,16 @@ def _handler(upstream: Upstream, path: str, client_streams: bool, server_streams
     return make(upstream, path)
 
 
-def forward_methods(upstream: Upstream) -> list[Method]:
-    """Every method of `SERVICES`, forwarded to `upstream`."""
+def forward_methods(upstream: Upstream, queues: QueueFronts | None = None) -> list[Method]:
+    """Every method of `SERVICES`, forwarded to `upstream`; with `queues`, Watch
+    lets the queues see consumer watches."""
     methods = []
     for service in SERVICES:
         for m in service.methods:
             path = f"/{service.full_name}/{m.name}"
+            handler = _handler(upstream, path, m.client_streaming, m.server_streaming)
+            if path == WATCH_PATH and queues is not None:
+                handler = _watch_stream(upstream, queues)
             methods.append(
                 Method(
                     service=service.full_name,
@@ -159,7 +206,7 @@ def forward_methods(upstream: Upstream) -> list[Method]:
                     request_streaming=m.client_streaming,
                     response_streaming=m.server_streaming,
                     parse=bytes,
-                    handler=_handler(upstream, path, m.client_streaming, m.server_streaming),
+                    handler=handler,
                     serialize=_identity,
                     request_class=GetMessageClass(m.input_type),
                     response_class=GetMessageClass(m.output_type),

@@ -24,6 +24,7 @@ from queue_server.api.observer import RpcObserver
 from queue_server.config import GRPC_OVERHEAD_BYTES, Config, secure_url, url_to_address
 from queue_server.errors import EtcdError, RequestTimeout
 from queue_server.front.forward import forward_methods
+from queue_server.front.queues import QueueFronts
 from queue_server.front.upstream import (
     STALE_TOKEN_ERRORS,
     Upstream,
@@ -76,6 +77,7 @@ class FrontServer:
         self.upstream: Upstream | None = None
         self.native: NativeServer | None = None
         self.health: HealthListener | None = None
+        self.queues: QueueFronts | None = None
 
     async def start(self) -> None:
         cfg = self.config
@@ -92,8 +94,12 @@ class FrontServer:
             )
         except (TLSError, UpstreamError) as e:
             raise FrontStartError(str(e)) from e
+        self.queues = QueueFronts(self.upstream)
+        self.queues.start()
         observer = RpcObserver(self.metrics.registry, cfg.warning_apply_duration)
-        table = MethodTable(forward_methods(self.upstream)).wrapped(observer.middleware)
+        table = MethodTable(forward_methods(self.upstream, self.queues)).wrapped(
+            observer.middleware
+        )
         pages = dict.fromkeys(GATEWAY_PAGES, self._health_page)
         self.native = NativeServer(
             ConnectionSettings(
@@ -178,5 +184,7 @@ class FrontServer:
             await self.native.stop(grace)
         if self.health is not None:
             await self.health.stop()
+        if self.queues is not None:
+            await self.queues.stop()
         if self.upstream is not None:
             await self.upstream.close()
