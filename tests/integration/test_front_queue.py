@@ -188,3 +188,26 @@ def test_when_the_dispatching_front_dies_another_takes_over(
         assert ack(b, kv_.key) == 1
     on_a.close()
     on_b.close()
+
+
+def test_when_a_consumers_front_dies_its_messages_go_to_a_consumer_elsewhere(
+    fronts: list[FrontProcess],
+) -> None:
+    a, b = fronts
+    name = b"fq-consumer-front"
+    on_a = Consumer(a, name)  # a dispatches
+    on_b = Consumer(b, name)
+    for i in range(10):
+        produce(a, name, b"k%d" % i, b"v%d" % i)
+    got = collect([on_a, on_b], 10)
+    held_by_b = [kv for kv in got if kv.key.startswith(on_b.registration + b"/")]
+    assert held_by_b, "round-robin gave the consumer on b nothing"
+    for kv_ in got:
+        if not kv_.key.startswith(on_b.registration + b"/"):
+            assert ack(a, kv_.key) == 1
+    b.kill()  # its session lease expires in 3 s, and its consumer's registration with it
+    again = on_a.deliveries(len(held_by_b), timeout=WAIT)
+    assert sorted(kv.value for kv in again) == sorted(kv.value for kv in held_by_b)
+    for kv_ in again:
+        assert ack(a, kv_.key) == 1
+    on_a.close()
