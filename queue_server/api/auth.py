@@ -19,7 +19,7 @@ from typing import Any, cast
 
 from etcdserverpb import auth_pb2, internal_pb2, rpc_pb2, rpc_pb2_grpc
 from queue_server.api.auth_gate import AuthGate
-from queue_server.api.errors import abort, propose_or_abort
+from queue_server.api.errors import R, abort, propose_or_abort
 from queue_server.api.header import HeaderFiller
 from queue_server.apply import Proposer
 from queue_server.auth import errors
@@ -48,11 +48,11 @@ class AuthService(rpc_pb2_grpc.AuthServicer):
         except EtcdError as e:
             await abort(context, e)
 
-    async def _change(self, context: Context, **request: Any) -> Any:
-        """Admin check, then propose one AuthCommand and answer its response."""
+    async def _change(self, context: Context, response: type[R], /, **request: Any) -> R:
+        """Admin check, then propose one AuthCommand and answer its `response`."""
         await self._require_admin(context)
         command = internal_pb2.Command(auth=internal_pb2.AuthCommand(**request))
-        return await propose_or_abort(self.log, command, context, self.header)
+        return await propose_or_abort(self.log, command, context, self.header, response)
 
     async def _admin_read(self, context: Context) -> None:
         try:
@@ -67,12 +67,12 @@ class AuthService(rpc_pb2_grpc.AuthServicer):
     async def AuthEnable(
         self, request: rpc_pb2.AuthEnableRequest, context: Context
     ) -> rpc_pb2.AuthEnableResponse:
-        return await self._change(context, auth_enable=request)  # type: ignore[no-any-return]
+        return await self._change(context, rpc_pb2.AuthEnableResponse, auth_enable=request)
 
     async def AuthDisable(
         self, request: rpc_pb2.AuthDisableRequest, context: Context
     ) -> rpc_pb2.AuthDisableResponse:
-        return await self._change(context, auth_disable=request)  # type: ignore[no-any-return]
+        return await self._change(context, rpc_pb2.AuthDisableResponse, auth_disable=request)
 
     async def AuthStatus(
         self, request: rpc_pb2.AuthStatusRequest, context: Context
@@ -119,7 +119,7 @@ class AuthService(rpc_pb2_grpc.AuthServicer):
         r = rpc_pb2.AuthUserAddRequest(name=request.name, options=request.options)
         if not request.options.no_password:
             r.hashedPassword = await self._hash(request.password)
-        return await self._change(context, user_add=r)  # type: ignore[no-any-return]
+        return await self._change(context, rpc_pb2.AuthUserAddResponse, user_add=r)
 
     async def UserGet(
         self, request: rpc_pb2.AuthUserGetRequest, context: Context
@@ -147,7 +147,7 @@ class AuthService(rpc_pb2_grpc.AuthServicer):
     async def UserDelete(
         self, request: rpc_pb2.AuthUserDeleteRequest, context: Context
     ) -> rpc_pb2.AuthUserDeleteResponse:
-        return await self._change(context, user_delete=request)  # type: ignore[no-any-return]
+        return await self._change(context, rpc_pb2.AuthUserDeleteResponse, user_delete=request)
 
     async def UserChangePassword(
         self, request: rpc_pb2.AuthUserChangePasswordRequest, context: Context
@@ -157,22 +157,28 @@ class AuthService(rpc_pb2_grpc.AuthServicer):
         user = self.store.users.get(request.name)
         if user is not None and not user.no_password:
             r.hashedPassword = await self._hash(request.password)
-        return await self._change(context, user_change_password=r)  # type: ignore[no-any-return]
+        return await self._change(
+            context, rpc_pb2.AuthUserChangePasswordResponse, user_change_password=r
+        )
 
     async def UserGrantRole(
         self, request: rpc_pb2.AuthUserGrantRoleRequest, context: Context
     ) -> rpc_pb2.AuthUserGrantRoleResponse:
-        return await self._change(context, user_grant_role=request)  # type: ignore[no-any-return]
+        return await self._change(
+            context, rpc_pb2.AuthUserGrantRoleResponse, user_grant_role=request
+        )
 
     async def UserRevokeRole(
         self, request: rpc_pb2.AuthUserRevokeRoleRequest, context: Context
     ) -> rpc_pb2.AuthUserRevokeRoleResponse:
-        return await self._change(context, user_revoke_role=request)  # type: ignore[no-any-return]
+        return await self._change(
+            context, rpc_pb2.AuthUserRevokeRoleResponse, user_revoke_role=request
+        )
 
     async def RoleAdd(
         self, request: rpc_pb2.AuthRoleAddRequest, context: Context
     ) -> rpc_pb2.AuthRoleAddResponse:
-        return await self._change(context, role_add=request)  # type: ignore[no-any-return]
+        return await self._change(context, rpc_pb2.AuthRoleAddResponse, role_add=request)
 
     async def RoleGet(
         self, request: rpc_pb2.AuthRoleGetRequest, context: Context
@@ -204,14 +210,18 @@ class AuthService(rpc_pb2_grpc.AuthServicer):
     async def RoleDelete(
         self, request: rpc_pb2.AuthRoleDeleteRequest, context: Context
     ) -> rpc_pb2.AuthRoleDeleteResponse:
-        return await self._change(context, role_delete=request)  # type: ignore[no-any-return]
+        return await self._change(context, rpc_pb2.AuthRoleDeleteResponse, role_delete=request)
 
     async def RoleGrantPermission(
         self, request: rpc_pb2.AuthRoleGrantPermissionRequest, context: Context
     ) -> rpc_pb2.AuthRoleGrantPermissionResponse:
-        return await self._change(context, role_grant_permission=request)  # type: ignore[no-any-return]
+        return await self._change(
+            context, rpc_pb2.AuthRoleGrantPermissionResponse, role_grant_permission=request
+        )
 
     async def RoleRevokePermission(
         self, request: rpc_pb2.AuthRoleRevokePermissionRequest, context: Context
     ) -> rpc_pb2.AuthRoleRevokePermissionResponse:
-        return await self._change(context, role_revoke_permission=request)  # type: ignore[no-any-return]
+        return await self._change(
+            context, rpc_pb2.AuthRoleRevokePermissionResponse, role_revoke_permission=request
+        )

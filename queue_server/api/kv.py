@@ -9,7 +9,7 @@ fill the header.
 from __future__ import annotations
 
 from etcdserverpb import internal_pb2, rpc_pb2, rpc_pb2_grpc
-from queue_server.api.errors import abort, propose_or_abort
+from queue_server.api.errors import R, abort, propose_or_abort
 from queue_server.api.header import HeaderFiller
 from queue_server.apply import Proposer, StateMachine
 from queue_server.cqs.commands import now_ms
@@ -33,8 +33,10 @@ class KVService(rpc_pb2_grpc.KVServicer):
         self.header = header
         self.max_txn_ops = max_txn_ops
 
-    async def _propose(self, command: internal_pb2.Command, context: Context) -> object:
-        return await propose_or_abort(self.log, command, context, self.header)
+    async def _propose(
+        self, command: internal_pb2.Command, context: Context, response: type[R]
+    ) -> R:
+        return await propose_or_abort(self.log, command, context, self.header, response)
 
     async def Range(self, request: rpc_pb2.RangeRequest, context: Context) -> rpc_pb2.RangeResponse:
         try:
@@ -56,7 +58,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
         # Stamped with this member's clock: a put on a producer key is a message
         # produced now, and its produce time is replicated state.
         command = Command(put=request, now_ms=now_ms())
-        return await self._propose(command, context)  # type: ignore[return-value]
+        return await self._propose(command, context, rpc_pb2.PutResponse)
 
     async def DeleteRange(
         self, request: rpc_pb2.DeleteRangeRequest, context: Context
@@ -68,7 +70,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
         # Stamped with this member's clock: a delete of a CQS delivery key
         # acknowledges it in apply, which times the token out with it.
         command = Command(delete_range=request, now_ms=now_ms())
-        return await self._propose(command, context)  # type: ignore[return-value]
+        return await self._propose(command, context, rpc_pb2.DeleteRangeResponse)
 
     async def Txn(self, request: rpc_pb2.TxnRequest, context: Context) -> rpc_pb2.TxnResponse:
         try:
@@ -82,9 +84,9 @@ class KVService(rpc_pb2_grpc.KVServicer):
             await abort(context, e)
         # its deletes may acknowledge, and its puts produce, at the Txn's time
         command = Command(txn=request, now_ms=now_ms())
-        return await self._propose(command, context)  # type: ignore[return-value]
+        return await self._propose(command, context, rpc_pb2.TxnResponse)
 
     async def Compact(
         self, request: rpc_pb2.CompactionRequest, context: Context
     ) -> rpc_pb2.CompactionResponse:
-        return await self._propose(Command(compaction=request), context)  # type: ignore[return-value]
+        return await self._propose(Command(compaction=request), context, rpc_pb2.CompactionResponse)

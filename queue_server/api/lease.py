@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import ClassVar, Protocol
 
 from etcdserverpb import internal_pb2, rpc_pb2, rpc_pb2_grpc
-from queue_server.api.errors import propose_or_abort
+from queue_server.api.errors import R, propose_or_abort
 from queue_server.api.header import HeaderFiller
 from queue_server.apply import Proposer, StateMachine
 from queue_server.lease.expiry import ExpiryClock
@@ -58,8 +58,10 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
         self.deliveries = deliveries
         self.ids = ids
 
-    async def _propose(self, command: internal_pb2.Command, context: Context) -> object:
-        return await propose_or_abort(self.log, command, context, self.header)
+    async def _propose(
+        self, command: internal_pb2.Command, context: Context, response: type[R]
+    ) -> R:
+        return await propose_or_abort(self.log, command, context, self.header, response)
 
     async def LeaseGrant(
         self, request: rpc_pb2.LeaseGrantRequest, context: Context
@@ -67,7 +69,7 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
         command = internal_pb2.Command(lease_grant=request)
         if request.ID == 0:
             command.lease_grant.ID = self.ids.next(self.state.lessor.leases)
-        return await self._propose(command, context)  # type: ignore[return-value]
+        return await self._propose(command, context, rpc_pb2.LeaseGrantResponse)
 
     async def LeaseRevoke(
         self, request: rpc_pb2.LeaseRevokeRequest, context: Context
@@ -80,7 +82,8 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
             resp = rpc_pb2.LeaseRevokeResponse()  # a delivery given back: no log entry
             self.header.fill(resp.header)
             return resp
-        return await self._propose(internal_pb2.Command(lease_revoke=request), context)  # type: ignore[return-value]
+        command = internal_pb2.Command(lease_revoke=request)
+        return await self._propose(command, context, rpc_pb2.LeaseRevokeResponse)
 
     async def LeaseKeepAlive(
         self, request_iterator: AsyncIterator[rpc_pb2.LeaseKeepAliveRequest], context: Context
