@@ -18,7 +18,6 @@ from queue_server.kv import validation
 from queue_server.kv.executor import is_read_only
 from queue_server.transport.methods import Call
 
-Context = Call
 Command = internal_pb2.Command
 
 
@@ -33,12 +32,10 @@ class KVService(rpc_pb2_grpc.KVServicer):
         self.header = header
         self.max_txn_ops = max_txn_ops
 
-    async def _propose(
-        self, command: internal_pb2.Command, context: Context, response: type[R]
-    ) -> R:
+    async def _propose(self, command: internal_pb2.Command, context: Call, response: type[R]) -> R:
         return await propose_or_abort(self.log, command, context, self.header, response)
 
-    async def Range(self, request: rpc_pb2.RangeRequest, context: Context) -> rpc_pb2.RangeResponse:
+    async def Range(self, request: rpc_pb2.RangeRequest, context: Call) -> rpc_pb2.RangeResponse:
         try:
             validation.check_range(request)
             if not request.serializable:
@@ -49,7 +46,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
         self.header.fill(resp.header)
         return resp
 
-    async def Put(self, request: rpc_pb2.PutRequest, context: Context) -> rpc_pb2.PutResponse:
+    async def Put(self, request: rpc_pb2.PutRequest, context: Call) -> rpc_pb2.PutResponse:
         try:
             validation.check_put(request)
             self.state.router.check_write(request.key, request.value)
@@ -61,7 +58,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
         return await self._propose(command, context, rpc_pb2.PutResponse)
 
     async def DeleteRange(
-        self, request: rpc_pb2.DeleteRangeRequest, context: Context
+        self, request: rpc_pb2.DeleteRangeRequest, context: Call
     ) -> rpc_pb2.DeleteRangeResponse:
         try:
             validation.check_delete(request)
@@ -72,7 +69,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
         command = Command(delete_range=request, now_ms=now_ms())
         return await self._propose(command, context, rpc_pb2.DeleteRangeResponse)
 
-    async def Txn(self, request: rpc_pb2.TxnRequest, context: Context) -> rpc_pb2.TxnResponse:
+    async def Txn(self, request: rpc_pb2.TxnRequest, context: Call) -> rpc_pb2.TxnResponse:
         try:
             validation.check_txn(request, self.max_txn_ops, self.state.router.check_write)
             if is_read_only(request):
@@ -87,6 +84,6 @@ class KVService(rpc_pb2_grpc.KVServicer):
         return await self._propose(command, context, rpc_pb2.TxnResponse)
 
     async def Compact(
-        self, request: rpc_pb2.CompactionRequest, context: Context
+        self, request: rpc_pb2.CompactionRequest, context: Call
     ) -> rpc_pb2.CompactionResponse:
         return await self._propose(Command(compaction=request), context, rpc_pb2.CompactionResponse)

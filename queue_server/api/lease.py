@@ -21,8 +21,6 @@ from queue_server.lease.expiry import ExpiryClock
 from queue_server.lease.ids import LeaseIdGenerator
 from queue_server.transport.methods import Call
 
-Context = Call
-
 
 class DeliveryLeases(Protocol):
     """Leases that are not in the lease table: the queue delivery table's
@@ -58,13 +56,11 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
         self.deliveries = deliveries
         self.ids = ids
 
-    async def _propose(
-        self, command: internal_pb2.Command, context: Context, response: type[R]
-    ) -> R:
+    async def _propose(self, command: internal_pb2.Command, context: Call, response: type[R]) -> R:
         return await propose_or_abort(self.log, command, context, self.header, response)
 
     async def LeaseGrant(
-        self, request: rpc_pb2.LeaseGrantRequest, context: Context
+        self, request: rpc_pb2.LeaseGrantRequest, context: Call
     ) -> rpc_pb2.LeaseGrantResponse:
         command = internal_pb2.Command(lease_grant=request)
         if request.ID == 0:
@@ -72,7 +68,7 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
         return await self._propose(command, context, rpc_pb2.LeaseGrantResponse)
 
     async def LeaseRevoke(
-        self, request: rpc_pb2.LeaseRevokeRequest, context: Context
+        self, request: rpc_pb2.LeaseRevokeRequest, context: Call
     ) -> rpc_pb2.LeaseRevokeResponse:
         if (
             request.ID not in self.state.lessor.leases
@@ -86,7 +82,7 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
         return await self._propose(command, context, rpc_pb2.LeaseRevokeResponse)
 
     async def LeaseKeepAlive(
-        self, request_iterator: AsyncIterator[rpc_pb2.LeaseKeepAliveRequest], context: Context
+        self, request_iterator: AsyncIterator[rpc_pb2.LeaseKeepAliveRequest], context: Call
     ) -> AsyncIterator[rpc_pb2.LeaseKeepAliveResponse]:
         leases = self.state.lessor.leases
         deliveries = self.deliveries
@@ -102,7 +98,7 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
             yield resp
 
     async def LeaseTimeToLive(
-        self, request: rpc_pb2.LeaseTimeToLiveRequest, context: Context
+        self, request: rpc_pb2.LeaseTimeToLiveRequest, context: Call
     ) -> rpc_pb2.LeaseTimeToLiveResponse:
         lease = self.state.lessor.leases.get(request.ID)
         resp = rpc_pb2.LeaseTimeToLiveResponse(ID=request.ID)
@@ -124,7 +120,7 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
         return resp
 
     async def LeaseLeases(
-        self, request: rpc_pb2.LeaseLeasesRequest, context: Context
+        self, request: rpc_pb2.LeaseLeasesRequest, context: Call
     ) -> rpc_pb2.LeaseLeasesResponse:
         resp = rpc_pb2.LeaseLeasesResponse()
         for lease_id in self.state.lessor.leases:
