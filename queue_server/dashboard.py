@@ -26,18 +26,19 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
 from etcdserverpb import internal_pb2, rpc_pb2
 from queue_server.alarms import alarm_name
-from queue_server.apply import ApplyResult, StateMachine
+from queue_server.apply import StateMachine
 from queue_server.cqs.commands import now_ms
 from queue_server.errors import EtcdError
 from queue_server.mq.redrive import MAX_REDRIVE, RedriveRefused, plan_redrive
 from queue_server.mq.state import QueueInfo
+from queue_server.proposals import Propose
 from queue_server.queue_stats import cqs_queue_stats, etcd_queue_details, etcd_queue_stats
 
 HISTORY_SECONDS = 600.0
@@ -195,7 +196,6 @@ class DashboardSource:
         }
 
 
-Propose = Callable[[internal_pb2.Command], Awaitable[ApplyResult]]
 Answer = tuple[HTTPStatus, dict[str, Any]]
 
 

@@ -60,11 +60,11 @@ from queue_server.admission import MAX_UNAPPLIED, too_large
 from queue_server.apply import (
     Applier,
     ApplyFailed,
-    ApplyResult,
     Checkpoint,
     sections_with_tables,
 )
 from queue_server.errors import NoSpace, RequestTooLarge, ServerStopped, TooManyRequests
+from queue_server.proposals import ApplyResult
 from queue_server.storage import etcd_backend, snapshot
 from queue_server.storage.backend import DB_DIR, Backend, CommitBatch
 from queue_server.storage.revisions import position
