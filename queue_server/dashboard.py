@@ -203,9 +203,13 @@ class Redriver:
     """POST /api/redrive: `{"queue": NAME}` moves all of the queue's pending dead
     letters back onto it, `{"queue": NAME, "count": N}` the N oldest."""
 
-    def __init__(self, state: StateMachine, propose: Propose) -> None:
+    def __init__(
+        self, state: StateMachine, propose: Propose, wall_ms: Callable[[], int] = now_ms
+    ) -> None:
         self.state = state
         self.propose = propose
+        self.wall_ms = wall_ms
+        """The node's wall clock (`Timers.wall_ms`): the stamp of each redrive Txn."""
 
     async def __call__(self, body: Mapping[str, Any]) -> Answer:
         if self.state.auth.enabled:
@@ -235,7 +239,7 @@ class Redriver:
         answer: dict[str, Any] = {"queue": plan.queue, "dead_letter": plan.dead_letter}
         for txn in plan.txns:
             try:
-                result = await self.propose(internal_pb2.Command(txn=txn, now_ms=now_ms()))
+                result = await self.propose(internal_pb2.Command(txn=txn, now_ms=self.wall_ms()))
             except EtcdError as e:
                 result = e
             if isinstance(result, EtcdError):

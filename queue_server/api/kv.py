@@ -8,6 +8,8 @@ fill the header.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from etcdserverpb import internal_pb2, rpc_pb2, rpc_pb2_grpc
 from queue_server.api.errors import R, abort, propose_or_abort
 from queue_server.api.header import HeaderFiller
@@ -25,12 +27,19 @@ class KVService(rpc_pb2_grpc.KVServicer):
     """Serves KV: reads from the state machine, writes through the log."""
 
     def __init__(
-        self, state: StateMachine, log: Proposer, header: HeaderFiller, max_txn_ops: int
+        self,
+        state: StateMachine,
+        log: Proposer,
+        header: HeaderFiller,
+        max_txn_ops: int,
+        wall_ms: Callable[[], int] = now_ms,
     ) -> None:
         self.state = state
         self.log = log
         self.header = header
         self.max_txn_ops = max_txn_ops
+        self.wall_ms = wall_ms
+        """The node's wall clock (`Timers.wall_ms`): the stamp of a write."""
 
     async def _propose(self, command: internal_pb2.Command, context: Call, response: type[R]) -> R:
         return await propose_or_abort(self.log, command, context, self.header, response)
@@ -54,7 +63,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
             await abort(context, e)
         # Stamped with this member's clock: a put on a producer key is a message
         # produced now, and its produce time is replicated state.
-        command = Command(put=request, now_ms=now_ms())
+        command = Command(put=request, now_ms=self.wall_ms())
         return await self._propose(command, context, rpc_pb2.PutResponse)
 
     async def DeleteRange(
@@ -66,7 +75,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
             await abort(context, e)
         # Stamped with this member's clock: a delete of a CQS delivery key
         # acknowledges it in apply, which times the token out with it.
-        command = Command(delete_range=request, now_ms=now_ms())
+        command = Command(delete_range=request, now_ms=self.wall_ms())
         return await self._propose(command, context, rpc_pb2.DeleteRangeResponse)
 
     async def Txn(self, request: rpc_pb2.TxnRequest, context: Call) -> rpc_pb2.TxnResponse:
@@ -80,7 +89,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
         except EtcdError as e:
             await abort(context, e)
         # its deletes may acknowledge, and its puts produce, at the Txn's time
-        command = Command(txn=request, now_ms=now_ms())
+        command = Command(txn=request, now_ms=self.wall_ms())
         return await self._propose(command, context, rpc_pb2.TxnResponse)
 
     async def Compact(

@@ -10,7 +10,7 @@ Revoke here too, so any etcd client can extend or give back a delivery.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import ClassVar, Protocol
 
 from etcdserverpb import internal_pb2, rpc_pb2, rpc_pb2_grpc
@@ -48,6 +48,7 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
         header: HeaderFiller,
         ids: LeaseIdGenerator,
         deliveries: DeliveryLeases | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.state = state
         self.log = log
@@ -55,6 +56,9 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
         self.header = header
         self.deliveries = deliveries
         self.ids = ids
+        self.clock = clock
+        """The node's clock (`Timers.clock`), the one `expiry` runs on: a
+        delivery's ack deadline is extended or read at its time."""
 
     async def _propose(self, command: internal_pb2.Command, context: Call, response: type[R]) -> R:
         return await propose_or_abort(self.log, command, context, self.header, response)
@@ -90,7 +94,7 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
             if request.ID in leases:
                 ttl = self.expiry.keep_alive(request.ID)
             elif deliveries is not None:
-                ttl = deliveries.keep_alive(request.ID, time.monotonic()) or 0
+                ttl = deliveries.keep_alive(request.ID, self.clock()) or 0
             else:
                 ttl = 0
             resp = rpc_pb2.LeaseKeepAliveResponse(ID=request.ID, TTL=ttl)
@@ -104,7 +108,7 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
         resp = rpc_pb2.LeaseTimeToLiveResponse(ID=request.ID)
         delivery = None
         if lease is None and self.deliveries is not None:
-            delivery = self.deliveries.time_to_live(request.ID, time.monotonic())
+            delivery = self.deliveries.time_to_live(request.ID, self.clock())
         if delivery is not None:
             resp.TTL, resp.grantedTTL, key = delivery
             if request.keys and key:
