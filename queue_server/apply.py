@@ -7,7 +7,7 @@ value (and changed nothing), never raised past apply, so every replica of the lo
 reaches the same state. Reads that need no log entry (Range, read-only Txn) are
 served by `read_range` / `read_txn` on the current state.
 
-Commands are `queue_server.internal.Command` messages (etcdserverpb/internal.proto):
+Commands are `etcdserverpb.internal_pb2.Command` messages (etcdserverpb/internal.proto):
 the log carries their serialized bytes, and replay after a restart goes through the
 same `apply`.
 """
