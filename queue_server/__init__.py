@@ -54,6 +54,8 @@ with no I/O, is a library beside the package and imports nothing from it.
 - `lease/`, `auth/`, `alarms.py` leases and their expiry clock; users, roles,
                 permissions and tokens; the alarm table.
 - `mvcc/`       revisions, per-key history, tombstones, compaction. No I/O.
+- `proposals.py` the types of proposing: `Propose` (a log's propose as a function),
+                `Spawn` (start a node task) and `ApplyResult`, for the parts below apply.
 - `errors.py`, `logs.py`, `durations.py`, `admission.py` the etcd errors the core
                 reports (wire code and text); console or JSON log lines (grpc
                 C-core's stderr lines too); Go's duration text ("30s", "1m30s"),

@@ -7,7 +7,7 @@ value (and changed nothing), never raised past apply, so every replica of the lo
 reaches the same state. Reads that need no log entry (Range, read-only Txn) are
 served by `read_range` / `read_txn` on the current state.
 
-Commands are `queue_server.internal.Command` messages (etcdserverpb/internal.proto):
+Commands are `etcdserverpb.internal_pb2.Command` messages (etcdserverpb/internal.proto):
 the log carries their serialized bytes, and replay after a restart goes through the
 same `apply`.
 """
@@ -18,8 +18,6 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-
-from google.protobuf.message import Message
 
 from etcdserverpb import internal_pb2, rpc_pb2
 from queue_server.alarms import AlarmTable
@@ -32,12 +30,12 @@ from queue_server.kv.executor import KVExecutor, is_read_only
 from queue_server.lease.lessor import Lessor
 from queue_server.mq.state import Assignment, QueueState, sections_with_rows
 from queue_server.mvcc.store import CommittedRevisions, Event, KeyValue, MVCCStore
+from queue_server.proposals import ApplyResult
 from queue_server.storage.snapshot_codec import STATE_FORMAT
 
 log = logging.getLogger(__name__)
 
 Command = internal_pb2.Command
-ApplyResult = Message | EtcdError
 
 
 class Proposer(Protocol):

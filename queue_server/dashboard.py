@@ -26,18 +26,19 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
 from etcdserverpb import internal_pb2, rpc_pb2
 from queue_server.alarms import alarm_name
-from queue_server.apply import ApplyResult, StateMachine
+from queue_server.apply import StateMachine
 from queue_server.cqs.commands import now_ms
 from queue_server.errors import EtcdError
 from queue_server.mq.redrive import MAX_REDRIVE, RedriveRefused, plan_redrive
 from queue_server.mq.state import QueueInfo
+from queue_server.proposals import Propose
 from queue_server.queue_stats import cqs_queue_stats, etcd_queue_details, etcd_queue_stats
 
 HISTORY_SECONDS = 600.0
@@ -195,7 +196,6 @@ class DashboardSource:
         }
 
 
-Propose = Callable[[internal_pb2.Command], Awaitable[ApplyResult]]
 Answer = tuple[HTTPStatus, dict[str, Any]]
 
 
@@ -203,9 +203,13 @@ class Redriver:
     """POST /api/redrive: `{"queue": NAME}` moves all of the queue's pending dead
     letters back onto it, `{"queue": NAME, "count": N}` the N oldest."""
 
-    def __init__(self, state: StateMachine, propose: Propose) -> None:
+    def __init__(
+        self, state: StateMachine, propose: Propose, wall_ms: Callable[[], int] = now_ms
+    ) -> None:
         self.state = state
         self.propose = propose
+        self.wall_ms = wall_ms
+        """The node's wall clock (`Timers.wall_ms`): the stamp of each redrive Txn."""
 
     async def __call__(self, body: Mapping[str, Any]) -> Answer:
         if self.state.auth.enabled:
@@ -235,7 +239,7 @@ class Redriver:
         answer: dict[str, Any] = {"queue": plan.queue, "dead_letter": plan.dead_letter}
         for txn in plan.txns:
             try:
-                result = await self.propose(internal_pb2.Command(txn=txn, now_ms=now_ms()))
+                result = await self.propose(internal_pb2.Command(txn=txn, now_ms=self.wall_ms()))
             except EtcdError as e:
                 result = e
             if isinstance(result, EtcdError):

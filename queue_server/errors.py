@@ -25,48 +25,163 @@ class EtcdError(Exception):
         return str(self.args[0])
 
 
-def _error(name: str, code: str, message: str) -> type[EtcdError]:
-    return type(name, (EtcdError,), {"code": code, "message": message, "__doc__": message})
+class EmptyKey(EtcdError):
+    """A request names no key."""
+
+    code = "INVALID_ARGUMENT"
+    message = "etcdserver: key is not provided"
 
 
-EmptyKey = _error("EmptyKey", "INVALID_ARGUMENT", "etcdserver: key is not provided")
-KeyNotFound = _error("KeyNotFound", "INVALID_ARGUMENT", "etcdserver: key not found")
-ValueProvided = _error("ValueProvided", "INVALID_ARGUMENT", "etcdserver: value is provided")
-LeaseProvided = _error("LeaseProvided", "INVALID_ARGUMENT", "etcdserver: lease is provided")
-TooManyOps = _error(
-    "TooManyOps", "INVALID_ARGUMENT", "etcdserver: too many operations in txn request"
-)
-DuplicateKey = _error(
-    "DuplicateKey", "INVALID_ARGUMENT", "etcdserver: duplicate key given in txn request"
-)
-Compacted = _error(
-    "Compacted", "OUT_OF_RANGE", "etcdserver: mvcc: required revision has been compacted"
-)
-FutureRevision = _error(
-    "FutureRevision", "OUT_OF_RANGE", "etcdserver: mvcc: required revision is a future revision"
-)
-NoSpace = _error("NoSpace", "RESOURCE_EXHAUSTED", "etcdserver: mvcc: database space exceeded")
-LeaseNotFound = _error("LeaseNotFound", "NOT_FOUND", "etcdserver: requested lease not found")
-LeaseExists = _error("LeaseExists", "FAILED_PRECONDITION", "etcdserver: lease already exists")
-LeaseTTLTooLarge = _error("LeaseTTLTooLarge", "OUT_OF_RANGE", "etcdserver: too large lease TTL")
-RequestTooLarge = _error("RequestTooLarge", "INVALID_ARGUMENT", "etcdserver: request is too large")
-TooManyRequests = _error("TooManyRequests", "RESOURCE_EXHAUSTED", "etcdserver: too many requests")
-ServerStopped = _error("ServerStopped", "UNAVAILABLE", "etcdserver: server stopped")
-RequestTimeout = _error("RequestTimeout", "UNAVAILABLE", "etcdserver: request timed out")
-MemberNotFound = _error("MemberNotFound", "NOT_FOUND", "etcdserver: member not found")
-NotCapable = _error("NotCapable", "UNAVAILABLE", "etcdserver: not capable")
-NoLeader = _error("NoLeader", "UNAVAILABLE", "etcdserver: no leader")
-LeaderChanged = _error("LeaderChanged", "UNAVAILABLE", "etcdserver: leader changed")
-PeerURLExists = _error(
-    "PeerURLExists", "FAILED_PRECONDITION", "etcdserver: Peer URLs already exists"
-)
-LearnerNotSupported = _error(
-    "LearnerNotSupported",
-    "INVALID_ARGUMENT",
-    "etcdserver: learner members are not supported by this server",
-)
-NotClustered = _error(
-    "NotClustered",
-    "FAILED_PRECONDITION",
-    "etcdserver: membership changes need a member started with --initial-cluster",
-)
+class KeyNotFound(EtcdError):
+    """A put with ignore_value or ignore_lease on a key that does not exist, or an
+    empty RequestOp in a txn."""
+
+    code = "INVALID_ARGUMENT"
+    message = "etcdserver: key not found"
+
+
+class ValueProvided(EtcdError):
+    """A put with ignore_value that also carries a value."""
+
+    code = "INVALID_ARGUMENT"
+    message = "etcdserver: value is provided"
+
+
+class LeaseProvided(EtcdError):
+    """A put with ignore_lease that also names a lease."""
+
+    code = "INVALID_ARGUMENT"
+    message = "etcdserver: lease is provided"
+
+
+class TooManyOps(EtcdError):
+    """A txn with more operations than --max-txn-ops."""
+
+    code = "INVALID_ARGUMENT"
+    message = "etcdserver: too many operations in txn request"
+
+
+class DuplicateKey(EtcdError):
+    """A txn that writes one key twice (etcd"s duplicate-key rule)."""
+
+    code = "INVALID_ARGUMENT"
+    message = "etcdserver: duplicate key given in txn request"
+
+
+class Compacted(EtcdError):
+    """A read or watch at a revision compaction has dropped."""
+
+    code = "OUT_OF_RANGE"
+    message = "etcdserver: mvcc: required revision has been compacted"
+
+
+class FutureRevision(EtcdError):
+    """A read at a revision not yet written."""
+
+    code = "OUT_OF_RANGE"
+    message = "etcdserver: mvcc: required revision is a future revision"
+
+
+class NoSpace(EtcdError):
+    """A write refused while the NOSPACE alarm is raised."""
+
+    code = "RESOURCE_EXHAUSTED"
+    message = "etcdserver: mvcc: database space exceeded"
+
+
+class LeaseNotFound(EtcdError):
+    """A request names a lease that does not exist."""
+
+    code = "NOT_FOUND"
+    message = "etcdserver: requested lease not found"
+
+
+class LeaseExists(EtcdError):
+    """A grant of a lease id already granted."""
+
+    code = "FAILED_PRECONDITION"
+    message = "etcdserver: lease already exists"
+
+
+class LeaseTTLTooLarge(EtcdError):
+    """A grant with a TTL over etcd"s maximum."""
+
+    code = "OUT_OF_RANGE"
+    message = "etcdserver: too large lease TTL"
+
+
+class RequestTooLarge(EtcdError):
+    """A request over --max-request-bytes."""
+
+    code = "INVALID_ARGUMENT"
+    message = "etcdserver: request is too large"
+
+
+class TooManyRequests(EtcdError):
+    """A proposal while too many entries wait to be applied (`admission.MAX_UNAPPLIED`)."""
+
+    code = "RESOURCE_EXHAUSTED"
+    message = "etcdserver: too many requests"
+
+
+class ServerStopped(EtcdError):
+    """The server is stopping: the log takes no more proposals."""
+
+    code = "UNAVAILABLE"
+    message = "etcdserver: server stopped"
+
+
+class RequestTimeout(EtcdError):
+    """A proposal whose result did not come in time."""
+
+    code = "UNAVAILABLE"
+    message = "etcdserver: request timed out"
+
+
+class MemberNotFound(EtcdError):
+    """A membership change names a member that does not exist."""
+
+    code = "NOT_FOUND"
+    message = "etcdserver: member not found"
+
+
+class NotCapable(EtcdError):
+    """A request this server cannot serve."""
+
+    code = "UNAVAILABLE"
+    message = "etcdserver: not capable"
+
+
+class NoLeader(EtcdError):
+    """The cluster has no leader to take the request."""
+
+    code = "UNAVAILABLE"
+    message = "etcdserver: no leader"
+
+
+class LeaderChanged(EtcdError):
+    """The leader changed while the request was in flight."""
+
+    code = "UNAVAILABLE"
+    message = "etcdserver: leader changed"
+
+
+class PeerURLExists(EtcdError):
+    """A member add or update with a peer URL another member has."""
+
+    code = "FAILED_PRECONDITION"
+    message = "etcdserver: Peer URLs already exists"
+
+
+class LearnerNotSupported(EtcdError):
+    """A member add as a learner."""
+
+    code = "INVALID_ARGUMENT"
+    message = "etcdserver: learner members are not supported by this server"
+
+
+class NotClustered(EtcdError):
+    """A membership change on a server started without --initial-cluster."""
+
+    code = "FAILED_PRECONDITION"
+    message = "etcdserver: membership changes need a member started with --initial-cluster"

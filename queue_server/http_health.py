@@ -4,7 +4,7 @@ Prometheus' `/metrics`, and the queue dashboard (`/`, the JSON it polls,
 
 What belongs here: reading one HTTP/1.1 request head, routing it, the health checks
 themselves, encoding the answer, and the asyncio stream servers that carry them.
-It must not import grpc, `queue_server.server` or the `cluster` package: the
+It must not import grpc, `queue_server.server` or the `replication` package: the
 server hands in what the checks look at (the alarm table, a leader lookup and the
 linearizable-read barrier of its log, the metrics renderer and the dashboard's
 state snapshot, the redrive), so that the checks run against fakes too.

@@ -35,9 +35,13 @@ write, the batch and everything pending fail with etcd's `NoSpace`, and
 no room for it) puts the state machine in capped mode until an operator frees
 space and disarms. Any other write or fsync error stops all writes for good.
 
-Only bytes cross to the WAL writer thread; the backend thread gets the
-checkpoint's revisions and plain-data sections, which the loop no longer
-touches (the store hands them over and keeps only reads of them).
+Only bytes (the encoded records, and the index they end at) cross to the WAL
+writer thread, which also rotates and trims the segments. The backend thread
+gets a `Checkpoint`: dicts of the key revisions and of each table's changed
+rows, the revisions compaction dropped, and the plain-data sections, which the
+loop no longer touches once handed over (the store keeps only reads of the
+revisions). Snapshot and HashKV read the backend on other threads, each over a
+read transaction of its own, and Defragment copies the file on the backend thread.
 """
 
 from __future__ import annotations
@@ -60,11 +64,11 @@ from queue_server.admission import MAX_UNAPPLIED, too_large
 from queue_server.apply import (
     Applier,
     ApplyFailed,
-    ApplyResult,
     Checkpoint,
     sections_with_tables,
 )
 from queue_server.errors import NoSpace, RequestTooLarge, ServerStopped, TooManyRequests
+from queue_server.proposals import ApplyResult
 from queue_server.storage import etcd_backend, snapshot
 from queue_server.storage.backend import DB_DIR, Backend, CommitBatch
 from queue_server.storage.revisions import position

@@ -10,8 +10,9 @@ of its two branches' puts, a lease grant 64 bytes.
 from __future__ import annotations
 
 from etcdserverpb import internal_pb2, rpc_pb2
-from queue_server.apply import ApplyResult, Proposer, StateMachine
+from queue_server.apply import Proposer, StateMachine
 from queue_server.errors import NoSpace
+from queue_server.proposals import ApplyResult
 
 DEFAULT_QUOTA_BYTES = 2 * 1024 * 1024 * 1024
 """etcd's default --quota-backend-bytes (2 GiB)."""

@@ -414,7 +414,10 @@ class Server:
         etcd = rpc_pb2.DESCRIPTOR.services_by_name
         services: list[tuple[ServiceDescriptor, object]] = [
             (etcd["Auth"], AuthService(auth, writes, header, cfg.bcrypt_cost)),
-            (etcd["KV"], KVService(self.state, writes, header, cfg.max_txn_ops)),
+            (
+                etcd["KV"],
+                KVService(self.state, writes, header, cfg.max_txn_ops, self.timers.wall_ms),
+            ),
             (
                 etcd["Maintenance"],
                 MaintenanceService(
@@ -430,7 +433,9 @@ class Server:
             (etcd["Watch"], WatchService(self.watch_hub, header, auth.watch_permitted)),
             (
                 etcd["Lease"],
-                LeaseService(self.state, writes, self.expiry, header, ids, self.delivery),
+                LeaseService(
+                    self.state, writes, self.expiry, header, ids, self.delivery, self.timers.clock
+                ),
             ),
             (
                 cqs_pb2.DESCRIPTOR.services_by_name["DtoChangeQueueService"],
@@ -465,10 +470,11 @@ class Server:
                     membership.leader_id,
                     lambda: [(m.member_id, m.name, m.client_urls) for m in membership.members()],
                     clock=self.timers.clock,
+                    wall=self.timers.wall,
                     history=self.history,
                     quota=lambda: (self.writes.used_bytes(), self.writes.quota_bytes),
                 ).snapshot,
-                redrive=Redriver(self.state, self.writes.propose),
+                redrive=Redriver(self.state, self.writes.propose, self.timers.wall_ms),
             )
         )
         try:

@@ -2,8 +2,8 @@
 
 `RaftCore` is a deterministic state machine over Raft's state: it never reads a
 clock, touches a disk or a socket, starts a thread or draws a random number except
-from the `random.Random` it is given. A driver (one asyncio task, later) feeds it
-and carries out what it asks for:
+from the `random.Random` it is given. A driver (one asyncio task, the server's
+`queue_server/replication/driver.py`) feeds it and carries out what it asks for:
 
 - `tick()` on a fixed timer (the election and heartbeat timeouts count ticks);
 - `step(msg)` for every message received from a peer (decoded with

@@ -19,15 +19,13 @@ from typing import Any, cast
 
 from etcdserverpb import auth_pb2, internal_pb2, rpc_pb2, rpc_pb2_grpc
 from queue_server.api.auth_gate import AuthGate
-from queue_server.api.errors import abort, propose_or_abort
+from queue_server.api.errors import R, abort, propose_or_abort
 from queue_server.api.header import HeaderFiller
 from queue_server.apply import Proposer
 from queue_server.auth import errors
 from queue_server.auth.passwords import BCRYPT_COST, check_password, hash_password
 from queue_server.errors import EtcdError
 from queue_server.transport.methods import Call
-
-Context = Call
 
 
 class AuthService(rpc_pb2_grpc.AuthServicer):
@@ -42,19 +40,19 @@ class AuthService(rpc_pb2_grpc.AuthServicer):
         self.header = header
         self.bcrypt_cost = bcrypt_cost
 
-    async def _require_admin(self, context: Context) -> None:
+    async def _require_admin(self, context: Call) -> None:
         try:
             self.gate.checker.check_admin(self.gate.user_of(context))
         except EtcdError as e:
             await abort(context, e)
 
-    async def _change(self, context: Context, **request: Any) -> Any:
-        """Admin check, then propose one AuthCommand and answer its response."""
+    async def _change(self, context: Call, response: type[R], /, **request: Any) -> R:
+        """Admin check, then propose one AuthCommand and answer its `response`."""
         await self._require_admin(context)
         command = internal_pb2.Command(auth=internal_pb2.AuthCommand(**request))
-        return await propose_or_abort(self.log, command, context, self.header)
+        return await propose_or_abort(self.log, command, context, self.header, response)
 
-    async def _admin_read(self, context: Context) -> None:
+    async def _admin_read(self, context: Call) -> None:
         try:
             self.gate.checker.check_admin(self.gate.user_of(context))
             await self.log.linearize()
@@ -65,17 +63,17 @@ class AuthService(rpc_pb2_grpc.AuthServicer):
         return await asyncio.to_thread(hash_password, password, self.bcrypt_cost)
 
     async def AuthEnable(
-        self, request: rpc_pb2.AuthEnableRequest, context: Context
+        self, request: rpc_pb2.AuthEnableRequest, context: Call
     ) -> rpc_pb2.AuthEnableResponse:
-        return await self._change(context, auth_enable=request)  # type: ignore[no-any-return]
+        return await self._change(context, rpc_pb2.AuthEnableResponse, auth_enable=request)
 
     async def AuthDisable(
-        self, request: rpc_pb2.AuthDisableRequest, context: Context
+        self, request: rpc_pb2.AuthDisableRequest, context: Call
     ) -> rpc_pb2.AuthDisableResponse:
-        return await self._change(context, auth_disable=request)  # type: ignore[no-any-return]
+        return await self._change(context, rpc_pb2.AuthDisableResponse, auth_disable=request)
 
     async def AuthStatus(
-        self, request: rpc_pb2.AuthStatusRequest, context: Context
+        self, request: rpc_pb2.AuthStatusRequest, context: Call
     ) -> rpc_pb2.AuthStatusResponse:
         await self._admin_read(context)
         resp = rpc_pb2.AuthStatusResponse(
@@ -85,7 +83,7 @@ class AuthService(rpc_pb2_grpc.AuthServicer):
         return resp
 
     async def Authenticate(
-        self, request: rpc_pb2.AuthenticateRequest, context: Context
+        self, request: rpc_pb2.AuthenticateRequest, context: Call
     ) -> rpc_pb2.AuthenticateResponse:
         try:
             token = await self._authenticate(request.name, request.password)
@@ -111,7 +109,7 @@ class AuthService(rpc_pb2_grpc.AuthServicer):
         return self.gate.tokens.assign(name)
 
     async def UserAdd(
-        self, request: rpc_pb2.AuthUserAddRequest, context: Context
+        self, request: rpc_pb2.AuthUserAddRequest, context: Call
     ) -> rpc_pb2.AuthUserAddResponse:
         await self._require_admin(context)  # before paying for a hash
         if not request.name:
@@ -119,10 +117,10 @@ class AuthService(rpc_pb2_grpc.AuthServicer):
         r = rpc_pb2.AuthUserAddRequest(name=request.name, options=request.options)
         if not request.options.no_password:
             r.hashedPassword = await self._hash(request.password)
-        return await self._change(context, user_add=r)  # type: ignore[no-any-return]
+        return await self._change(context, rpc_pb2.AuthUserAddResponse, user_add=r)
 
     async def UserGet(
-        self, request: rpc_pb2.AuthUserGetRequest, context: Context
+        self, request: rpc_pb2.AuthUserGetRequest, context: Call
     ) -> rpc_pb2.AuthUserGetResponse:
         try:
             user = self.gate.user_of(context)
@@ -137,7 +135,7 @@ class AuthService(rpc_pb2_grpc.AuthServicer):
         return resp
 
     async def UserList(
-        self, request: rpc_pb2.AuthUserListRequest, context: Context
+        self, request: rpc_pb2.AuthUserListRequest, context: Call
     ) -> rpc_pb2.AuthUserListResponse:
         await self._admin_read(context)
         resp = rpc_pb2.AuthUserListResponse(users=self.store.user_names())
@@ -145,37 +143,43 @@ class AuthService(rpc_pb2_grpc.AuthServicer):
         return resp
 
     async def UserDelete(
-        self, request: rpc_pb2.AuthUserDeleteRequest, context: Context
+        self, request: rpc_pb2.AuthUserDeleteRequest, context: Call
     ) -> rpc_pb2.AuthUserDeleteResponse:
-        return await self._change(context, user_delete=request)  # type: ignore[no-any-return]
+        return await self._change(context, rpc_pb2.AuthUserDeleteResponse, user_delete=request)
 
     async def UserChangePassword(
-        self, request: rpc_pb2.AuthUserChangePasswordRequest, context: Context
+        self, request: rpc_pb2.AuthUserChangePasswordRequest, context: Call
     ) -> rpc_pb2.AuthUserChangePasswordResponse:
         await self._require_admin(context)  # before paying for a hash
         r = rpc_pb2.AuthUserChangePasswordRequest(name=request.name)
         user = self.store.users.get(request.name)
         if user is not None and not user.no_password:
             r.hashedPassword = await self._hash(request.password)
-        return await self._change(context, user_change_password=r)  # type: ignore[no-any-return]
+        return await self._change(
+            context, rpc_pb2.AuthUserChangePasswordResponse, user_change_password=r
+        )
 
     async def UserGrantRole(
-        self, request: rpc_pb2.AuthUserGrantRoleRequest, context: Context
+        self, request: rpc_pb2.AuthUserGrantRoleRequest, context: Call
     ) -> rpc_pb2.AuthUserGrantRoleResponse:
-        return await self._change(context, user_grant_role=request)  # type: ignore[no-any-return]
+        return await self._change(
+            context, rpc_pb2.AuthUserGrantRoleResponse, user_grant_role=request
+        )
 
     async def UserRevokeRole(
-        self, request: rpc_pb2.AuthUserRevokeRoleRequest, context: Context
+        self, request: rpc_pb2.AuthUserRevokeRoleRequest, context: Call
     ) -> rpc_pb2.AuthUserRevokeRoleResponse:
-        return await self._change(context, user_revoke_role=request)  # type: ignore[no-any-return]
+        return await self._change(
+            context, rpc_pb2.AuthUserRevokeRoleResponse, user_revoke_role=request
+        )
 
     async def RoleAdd(
-        self, request: rpc_pb2.AuthRoleAddRequest, context: Context
+        self, request: rpc_pb2.AuthRoleAddRequest, context: Call
     ) -> rpc_pb2.AuthRoleAddResponse:
-        return await self._change(context, role_add=request)  # type: ignore[no-any-return]
+        return await self._change(context, rpc_pb2.AuthRoleAddResponse, role_add=request)
 
     async def RoleGet(
-        self, request: rpc_pb2.AuthRoleGetRequest, context: Context
+        self, request: rpc_pb2.AuthRoleGetRequest, context: Call
     ) -> rpc_pb2.AuthRoleGetResponse:
         try:
             user = self.gate.user_of(context)
@@ -194,7 +198,7 @@ class AuthService(rpc_pb2_grpc.AuthServicer):
         return resp
 
     async def RoleList(
-        self, request: rpc_pb2.AuthRoleListRequest, context: Context
+        self, request: rpc_pb2.AuthRoleListRequest, context: Call
     ) -> rpc_pb2.AuthRoleListResponse:
         await self._admin_read(context)
         resp = rpc_pb2.AuthRoleListResponse(roles=self.store.role_names())
@@ -202,16 +206,20 @@ class AuthService(rpc_pb2_grpc.AuthServicer):
         return resp
 
     async def RoleDelete(
-        self, request: rpc_pb2.AuthRoleDeleteRequest, context: Context
+        self, request: rpc_pb2.AuthRoleDeleteRequest, context: Call
     ) -> rpc_pb2.AuthRoleDeleteResponse:
-        return await self._change(context, role_delete=request)  # type: ignore[no-any-return]
+        return await self._change(context, rpc_pb2.AuthRoleDeleteResponse, role_delete=request)
 
     async def RoleGrantPermission(
-        self, request: rpc_pb2.AuthRoleGrantPermissionRequest, context: Context
+        self, request: rpc_pb2.AuthRoleGrantPermissionRequest, context: Call
     ) -> rpc_pb2.AuthRoleGrantPermissionResponse:
-        return await self._change(context, role_grant_permission=request)  # type: ignore[no-any-return]
+        return await self._change(
+            context, rpc_pb2.AuthRoleGrantPermissionResponse, role_grant_permission=request
+        )
 
     async def RoleRevokePermission(
-        self, request: rpc_pb2.AuthRoleRevokePermissionRequest, context: Context
+        self, request: rpc_pb2.AuthRoleRevokePermissionRequest, context: Call
     ) -> rpc_pb2.AuthRoleRevokePermissionResponse:
-        return await self._change(context, role_revoke_permission=request)  # type: ignore[no-any-return]
+        return await self._change(
+            context, rpc_pb2.AuthRoleRevokePermissionResponse, role_revoke_permission=request
+        )

@@ -39,8 +39,6 @@ from queue_server.keyspace import grammar as keys
 from queue_server.transport.methods import Call
 from queue_server.transport.status import Status
 
-Context = Call
-
 MAX_NOTIFICATIONS = 1000
 """BatchDequeue's cap on max_notifications."""
 FLUSH_ITEMS = 1000
@@ -98,17 +96,17 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
         self.waiters = waiters
         self.visibility_ms = int(visibility_timeout * 1000)
 
-    async def _propose(self, command: internal_pb2.Command, context: Context) -> object:
+    async def _propose(self, command: internal_pb2.Command, context: Call) -> object:
         return await propose_checked(self.log, command, context)
 
-    async def _known(self, name: str, context: Context) -> None:
+    async def _known(self, name: str, context: Call) -> None:
         if name not in self.state.cqs.queues:
             await abort(context, QueueNotFound(f"cqs: queue {name!r} not found"))
 
     # -- CreateOrConfigureQueue ---------------------------------------------------
 
     async def CreateOrConfigureQueue(
-        self, request: cqs_pb2.CreateOrConfigureQueueRequest, context: Context
+        self, request: cqs_pb2.CreateOrConfigureQueueRequest, context: Call
     ) -> cqs_pb2.CreateOrConfigureQueueResponse:
         name = request.queue_name
         why = _bad_queue_name(name)
@@ -150,7 +148,7 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
     # -- BatchDequeue -------------------------------------------------------------
 
     async def BatchDequeue(
-        self, request: cqs_pb2.BatchDequeueRequest, context: Context
+        self, request: cqs_pb2.BatchDequeueRequest, context: Call
     ) -> cqs_pb2.BatchDequeueResponse:
         name = request.queue_name
         await self._known(name, context)
@@ -189,7 +187,7 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
     # -- BatchAcknowledge ---------------------------------------------------------
 
     async def BatchAcknowledge(
-        self, request: cqs_pb2.BatchAcknowledgeRequest, context: Context
+        self, request: cqs_pb2.BatchAcknowledgeRequest, context: Call
     ) -> cqs_pb2.BatchAcknowledgeResponse:
         await self._known(request.queue_name, context)
         if request.ack_tokens:
@@ -199,7 +197,7 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
     # -- ReEnqueue ----------------------------------------------------------------
 
     async def ReEnqueue(
-        self, request_iterator: AsyncIterator[cqs_pb2.ReEnqueueRequest], context: Context
+        self, request_iterator: AsyncIterator[cqs_pb2.ReEnqueueRequest], context: Call
     ) -> cqs_pb2.ReEnqueueResponse:
         stream = _Frames(request_iterator)
         try:
@@ -223,7 +221,7 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
             stream.close()
 
     async def _split(
-        self, stream: _Frames, name: str, token: str, context: Context
+        self, stream: _Frames, name: str, token: str, context: Call
     ) -> cqs_pb2.ReEnqueueResponse:
         loop = asyncio.get_running_loop()
         vis_s = self.visibility_ms / 1000

@@ -30,8 +30,6 @@ from queue_server.recipes.mutex import (
 )
 from queue_server.transport.methods import Call
 
-Context = Call
-
 NOT_LEADER = "election: not leader"
 NO_LEADER = "election: no leader"
 MISSING_LEADER_KEY = '"leader" field must be provided'
@@ -67,7 +65,7 @@ class ElectionService(v3election_pb2_grpc.ElectionServicer):
         )
 
     async def Campaign(
-        self, request: v3election_pb2.CampaignRequest, context: Context
+        self, request: v3election_pb2.CampaignRequest, context: Call
     ) -> v3election_pb2.CampaignResponse:
         """etcd's Election.Campaign: claim `name/<lease hex>`; if it existed with
         another value, proclaim ours at once; then wait to be the oldest. The
@@ -111,7 +109,7 @@ class ElectionService(v3election_pb2_grpc.ElectionServicer):
         return await self.client.txn(rpc_pb2.TxnRequest(compare=[cmp], success=[put]))
 
     async def Proclaim(
-        self, request: v3election_pb2.ProclaimRequest, context: Context
+        self, request: v3election_pb2.ProclaimRequest, context: Call
     ) -> v3election_pb2.ProclaimResponse:
         if not request.HasField("leader"):
             await abort_unknown(context, MISSING_LEADER_KEY)
@@ -130,7 +128,7 @@ class ElectionService(v3election_pb2_grpc.ElectionServicer):
         return out
 
     async def Resign(
-        self, request: v3election_pb2.ResignRequest, context: Context
+        self, request: v3election_pb2.ResignRequest, context: Call
     ) -> v3election_pb2.ResignResponse:
         if not request.HasField("leader"):
             await abort_unknown(context, MISSING_LEADER_KEY)
@@ -152,7 +150,7 @@ class ElectionService(v3election_pb2_grpc.ElectionServicer):
         return out
 
     async def Leader(
-        self, request: v3election_pb2.LeaderRequest, context: Context
+        self, request: v3election_pb2.LeaderRequest, context: Call
     ) -> v3election_pb2.LeaderResponse:
         first = self._first(request.name)
         if not first.kvs:
@@ -164,7 +162,7 @@ class ElectionService(v3election_pb2_grpc.ElectionServicer):
         return resp
 
     async def Observe(
-        self, request: v3election_pb2.LeaderRequest, context: Context
+        self, request: v3election_pb2.LeaderRequest, context: Call
     ) -> AsyncIterator[v3election_pb2.LeaderResponse]:
         """Stream the leader's key-value each time the leader or its value changes."""
         hub = self.client.hub

@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
-from typing import NoReturn
+from typing import NoReturn, Protocol, TypeVar
 
-from etcdserverpb import internal_pb2
+from google.protobuf.message import Message
+
+from etcdserverpb import internal_pb2, rpc_pb2
 from queue_server.api.header import HeaderFiller
 from queue_server.apply import Proposer
 from queue_server.errors import EtcdError
 from queue_server.transport.methods import Call
 from queue_server.transport.status import Status
+
+
+class _Response(Protocol):
+    """An etcd response: a message with a header to fill."""
+
+    @property
+    def header(self) -> rpc_pb2.ResponseHeader: ...
+
+
+R = TypeVar("R", bound=_Response)
+"""The response type a caller of `propose_or_abort` expects its command to answer."""
 
 
 async def abort(context: Call, error: EtcdError) -> NoReturn:
@@ -25,7 +38,7 @@ async def abort_unknown(context: Call, message: str) -> NoReturn:
     raise AssertionError("unreachable: abort raises")
 
 
-async def propose_checked(log: Proposer, command: internal_pb2.Command, context: Call) -> object:
+async def propose_checked(log: Proposer, command: internal_pb2.Command, context: Call) -> Message:
     """Propose `command`; end the call with its status if it fails (before or at
     apply), else return the apply result."""
     try:
@@ -42,8 +55,12 @@ async def propose_or_abort(
     command: internal_pb2.Command,
     context: Call,
     header: HeaderFiller,
-) -> object:
-    """`propose_checked`, and the response's header filled."""
+    response: type[R],
+) -> R:
+    """`propose_checked`, and the response's header filled. `response` is the
+    type apply answers `command` with; any other answer is a bug, raised."""
     result = await propose_checked(log, command, context)
-    header.fill(result.header)  # type: ignore[attr-defined]
+    if not isinstance(result, response):
+        raise TypeError(f"apply answered {type(result).__name__}, not {response.__name__}")
+    header.fill(result.header)
     return result

@@ -8,8 +8,10 @@ fill the header.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from etcdserverpb import internal_pb2, rpc_pb2, rpc_pb2_grpc
-from queue_server.api.errors import abort, propose_or_abort
+from queue_server.api.errors import R, abort, propose_or_abort
 from queue_server.api.header import HeaderFiller
 from queue_server.apply import Proposer, StateMachine
 from queue_server.cqs.commands import now_ms
@@ -18,7 +20,6 @@ from queue_server.kv import validation
 from queue_server.kv.executor import is_read_only
 from queue_server.transport.methods import Call
 
-Context = Call
 Command = internal_pb2.Command
 
 
@@ -26,17 +27,24 @@ class KVService(rpc_pb2_grpc.KVServicer):
     """Serves KV: reads from the state machine, writes through the log."""
 
     def __init__(
-        self, state: StateMachine, log: Proposer, header: HeaderFiller, max_txn_ops: int
+        self,
+        state: StateMachine,
+        log: Proposer,
+        header: HeaderFiller,
+        max_txn_ops: int,
+        wall_ms: Callable[[], int] = now_ms,
     ) -> None:
         self.state = state
         self.log = log
         self.header = header
         self.max_txn_ops = max_txn_ops
+        self.wall_ms = wall_ms
+        """The node's wall clock (`Timers.wall_ms`): the stamp of a write."""
 
-    async def _propose(self, command: internal_pb2.Command, context: Context) -> object:
-        return await propose_or_abort(self.log, command, context, self.header)
+    async def _propose(self, command: internal_pb2.Command, context: Call, response: type[R]) -> R:
+        return await propose_or_abort(self.log, command, context, self.header, response)
 
-    async def Range(self, request: rpc_pb2.RangeRequest, context: Context) -> rpc_pb2.RangeResponse:
+    async def Range(self, request: rpc_pb2.RangeRequest, context: Call) -> rpc_pb2.RangeResponse:
         try:
             validation.check_range(request)
             if not request.serializable:
@@ -47,7 +55,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
         self.header.fill(resp.header)
         return resp
 
-    async def Put(self, request: rpc_pb2.PutRequest, context: Context) -> rpc_pb2.PutResponse:
+    async def Put(self, request: rpc_pb2.PutRequest, context: Call) -> rpc_pb2.PutResponse:
         try:
             validation.check_put(request)
             self.state.router.check_write(request.key, request.value)
@@ -55,11 +63,11 @@ class KVService(rpc_pb2_grpc.KVServicer):
             await abort(context, e)
         # Stamped with this member's clock: a put on a producer key is a message
         # produced now, and its produce time is replicated state.
-        command = Command(put=request, now_ms=now_ms())
-        return await self._propose(command, context)  # type: ignore[return-value]
+        command = Command(put=request, now_ms=self.wall_ms())
+        return await self._propose(command, context, rpc_pb2.PutResponse)
 
     async def DeleteRange(
-        self, request: rpc_pb2.DeleteRangeRequest, context: Context
+        self, request: rpc_pb2.DeleteRangeRequest, context: Call
     ) -> rpc_pb2.DeleteRangeResponse:
         try:
             validation.check_delete(request)
@@ -67,10 +75,10 @@ class KVService(rpc_pb2_grpc.KVServicer):
             await abort(context, e)
         # Stamped with this member's clock: a delete of a CQS delivery key
         # acknowledges it in apply, which times the token out with it.
-        command = Command(delete_range=request, now_ms=now_ms())
-        return await self._propose(command, context)  # type: ignore[return-value]
+        command = Command(delete_range=request, now_ms=self.wall_ms())
+        return await self._propose(command, context, rpc_pb2.DeleteRangeResponse)
 
-    async def Txn(self, request: rpc_pb2.TxnRequest, context: Context) -> rpc_pb2.TxnResponse:
+    async def Txn(self, request: rpc_pb2.TxnRequest, context: Call) -> rpc_pb2.TxnResponse:
         try:
             validation.check_txn(request, self.max_txn_ops, self.state.router.check_write)
             if is_read_only(request):
@@ -81,10 +89,10 @@ class KVService(rpc_pb2_grpc.KVServicer):
         except EtcdError as e:
             await abort(context, e)
         # its deletes may acknowledge, and its puts produce, at the Txn's time
-        command = Command(txn=request, now_ms=now_ms())
-        return await self._propose(command, context)  # type: ignore[return-value]
+        command = Command(txn=request, now_ms=self.wall_ms())
+        return await self._propose(command, context, rpc_pb2.TxnResponse)
 
     async def Compact(
-        self, request: rpc_pb2.CompactionRequest, context: Context
+        self, request: rpc_pb2.CompactionRequest, context: Call
     ) -> rpc_pb2.CompactionResponse:
-        return await self._propose(Command(compaction=request), context)  # type: ignore[return-value]
+        return await self._propose(Command(compaction=request), context, rpc_pb2.CompactionResponse)

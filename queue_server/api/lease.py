@@ -10,18 +10,16 @@ Revoke here too, so any etcd client can extend or give back a delivery.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import ClassVar, Protocol
 
 from etcdserverpb import internal_pb2, rpc_pb2, rpc_pb2_grpc
-from queue_server.api.errors import propose_or_abort
+from queue_server.api.errors import R, propose_or_abort
 from queue_server.api.header import HeaderFiller
 from queue_server.apply import Proposer, StateMachine
 from queue_server.lease.expiry import ExpiryClock
 from queue_server.lease.ids import LeaseIdGenerator
 from queue_server.transport.methods import Call
-
-Context = Call
 
 
 class DeliveryLeases(Protocol):
@@ -50,6 +48,7 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
         header: HeaderFiller,
         ids: LeaseIdGenerator,
         deliveries: DeliveryLeases | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.state = state
         self.log = log
@@ -57,20 +56,23 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
         self.header = header
         self.deliveries = deliveries
         self.ids = ids
+        self.clock = clock
+        """The node's clock (`Timers.clock`), the one `expiry` runs on: a
+        delivery's ack deadline is extended or read at its time."""
 
-    async def _propose(self, command: internal_pb2.Command, context: Context) -> object:
-        return await propose_or_abort(self.log, command, context, self.header)
+    async def _propose(self, command: internal_pb2.Command, context: Call, response: type[R]) -> R:
+        return await propose_or_abort(self.log, command, context, self.header, response)
 
     async def LeaseGrant(
-        self, request: rpc_pb2.LeaseGrantRequest, context: Context
+        self, request: rpc_pb2.LeaseGrantRequest, context: Call
     ) -> rpc_pb2.LeaseGrantResponse:
         command = internal_pb2.Command(lease_grant=request)
         if request.ID == 0:
             command.lease_grant.ID = self.ids.next(self.state.lessor.leases)
-        return await self._propose(command, context)  # type: ignore[return-value]
+        return await self._propose(command, context, rpc_pb2.LeaseGrantResponse)
 
     async def LeaseRevoke(
-        self, request: rpc_pb2.LeaseRevokeRequest, context: Context
+        self, request: rpc_pb2.LeaseRevokeRequest, context: Call
     ) -> rpc_pb2.LeaseRevokeResponse:
         if (
             request.ID not in self.state.lessor.leases
@@ -80,10 +82,11 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
             resp = rpc_pb2.LeaseRevokeResponse()  # a delivery given back: no log entry
             self.header.fill(resp.header)
             return resp
-        return await self._propose(internal_pb2.Command(lease_revoke=request), context)  # type: ignore[return-value]
+        command = internal_pb2.Command(lease_revoke=request)
+        return await self._propose(command, context, rpc_pb2.LeaseRevokeResponse)
 
     async def LeaseKeepAlive(
-        self, request_iterator: AsyncIterator[rpc_pb2.LeaseKeepAliveRequest], context: Context
+        self, request_iterator: AsyncIterator[rpc_pb2.LeaseKeepAliveRequest], context: Call
     ) -> AsyncIterator[rpc_pb2.LeaseKeepAliveResponse]:
         leases = self.state.lessor.leases
         deliveries = self.deliveries
@@ -91,7 +94,7 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
             if request.ID in leases:
                 ttl = self.expiry.keep_alive(request.ID)
             elif deliveries is not None:
-                ttl = deliveries.keep_alive(request.ID, time.monotonic()) or 0
+                ttl = deliveries.keep_alive(request.ID, self.clock()) or 0
             else:
                 ttl = 0
             resp = rpc_pb2.LeaseKeepAliveResponse(ID=request.ID, TTL=ttl)
@@ -99,13 +102,13 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
             yield resp
 
     async def LeaseTimeToLive(
-        self, request: rpc_pb2.LeaseTimeToLiveRequest, context: Context
+        self, request: rpc_pb2.LeaseTimeToLiveRequest, context: Call
     ) -> rpc_pb2.LeaseTimeToLiveResponse:
         lease = self.state.lessor.leases.get(request.ID)
         resp = rpc_pb2.LeaseTimeToLiveResponse(ID=request.ID)
         delivery = None
         if lease is None and self.deliveries is not None:
-            delivery = self.deliveries.time_to_live(request.ID, time.monotonic())
+            delivery = self.deliveries.time_to_live(request.ID, self.clock())
         if delivery is not None:
             resp.TTL, resp.grantedTTL, key = delivery
             if request.keys and key:
@@ -121,7 +124,7 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
         return resp
 
     async def LeaseLeases(
-        self, request: rpc_pb2.LeaseLeasesRequest, context: Context
+        self, request: rpc_pb2.LeaseLeasesRequest, context: Call
     ) -> rpc_pb2.LeaseLeasesResponse:
         resp = rpc_pb2.LeaseLeasesResponse()
         for lease_id in self.state.lessor.leases:

@@ -23,8 +23,6 @@ from queue_server.recipes.local_client import LocalClient
 from queue_server.recipes.mutex import SessionExpired, claim_and_wait, session_lease
 from queue_server.transport.methods import Call
 
-Context = Call
-
 
 class LockService(v3lock_pb2_grpc.LockServicer):
     """Server-side mutexes over the node's own KV, leases and watches."""
@@ -38,9 +36,7 @@ class LockService(v3lock_pb2_grpc.LockServicer):
         self.header = header
         self.ids = ids
 
-    async def Lock(
-        self, request: v3lock_pb2.LockRequest, context: Context
-    ) -> v3lock_pb2.LockResponse:
+    async def Lock(self, request: v3lock_pb2.LockRequest, context: Call) -> v3lock_pb2.LockResponse:
         try:
             lease = await session_lease(self.client, request.lease, self.ids.next)
             key = request.name + b"/" + b"%x" % lease
@@ -53,7 +49,7 @@ class LockService(v3lock_pb2_grpc.LockServicer):
         return resp
 
     async def Unlock(
-        self, request: v3lock_pb2.UnlockRequest, context: Context
+        self, request: v3lock_pb2.UnlockRequest, context: Call
     ) -> v3lock_pb2.UnlockResponse:
         try:
             if not request.key:

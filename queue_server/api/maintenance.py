@@ -29,8 +29,6 @@ from queue_server.replication.membership import Membership
 from queue_server.storage.snapshot import SHA256_BYTES
 from queue_server.transport.methods import Call
 
-Context = Call
-
 
 class StateFiles(Protocol):
     """Who makes the whole-state operations of this member: its log (the local
@@ -80,9 +78,7 @@ class MaintenanceService(rpc_pb2_grpc.MaintenanceServicer):
         self.files = files
         self.leader_of = leader_of
 
-    async def Status(
-        self, request: rpc_pb2.StatusRequest, context: Context
-    ) -> rpc_pb2.StatusResponse:
+    async def Status(self, request: rpc_pb2.StatusRequest, context: Call) -> rpc_pb2.StatusResponse:
         resp = rpc_pb2.StatusResponse(
             version=SERVER_VERSION,
             dbSize=self.db_size(),
@@ -99,7 +95,7 @@ class MaintenanceService(rpc_pb2_grpc.MaintenanceServicer):
         self.header.fill(resp.header)
         return resp
 
-    async def Alarm(self, request: rpc_pb2.AlarmRequest, context: Context) -> rpc_pb2.AlarmResponse:
+    async def Alarm(self, request: rpc_pb2.AlarmRequest, context: Call) -> rpc_pb2.AlarmResponse:
         if request.action == rpc_pb2.AlarmRequest.GET:
             resp = self.state.alarms.apply(request)
         else:
@@ -112,21 +108,19 @@ class MaintenanceService(rpc_pb2_grpc.MaintenanceServicer):
         return resp
 
     async def Defragment(
-        self, request: rpc_pb2.DefragmentRequest, context: Context
+        self, request: rpc_pb2.DefragmentRequest, context: Call
     ) -> rpc_pb2.DefragmentResponse:
         await self.files.defragment()
         resp = rpc_pb2.DefragmentResponse()
         self.header.fill(resp.header)
         return resp
 
-    async def Hash(self, request: rpc_pb2.HashRequest, context: Context) -> rpc_pb2.HashResponse:
+    async def Hash(self, request: rpc_pb2.HashRequest, context: Call) -> rpc_pb2.HashResponse:
         resp = rpc_pb2.HashResponse(hash=await self.files.hash_kv(0))
         self.header.fill(resp.header)
         return resp
 
-    async def HashKV(
-        self, request: rpc_pb2.HashKVRequest, context: Context
-    ) -> rpc_pb2.HashKVResponse:
+    async def HashKV(self, request: rpc_pb2.HashKVRequest, context: Call) -> rpc_pb2.HashKVResponse:
         store = self.state.store
         try:
             store.check_revision(request.revision)
@@ -138,7 +132,7 @@ class MaintenanceService(rpc_pb2_grpc.MaintenanceServicer):
         return resp
 
     async def Snapshot(
-        self, request: rpc_pb2.SnapshotRequest, context: Context
+        self, request: rpc_pb2.SnapshotRequest, context: Call
     ) -> AsyncIterator[rpc_pb2.SnapshotResponse]:
         """The whole state as an etcd backend database (bbolt, with our queue
         state in a bucket of its own; `storage/etcd_backend.py`), streamed in
@@ -180,12 +174,12 @@ class ClusterService(rpc_pb2_grpc.ClusterServicer):
         return resp
 
     async def MemberList(
-        self, request: rpc_pb2.MemberListRequest, context: Context
+        self, request: rpc_pb2.MemberListRequest, context: Call
     ) -> rpc_pb2.MemberListResponse:
         return self._answer(rpc_pb2.MemberListResponse())
 
     async def MemberAdd(
-        self, request: rpc_pb2.MemberAddRequest, context: Context
+        self, request: rpc_pb2.MemberAddRequest, context: Call
     ) -> rpc_pb2.MemberAddResponse:
         try:
             added = await self.membership.add(tuple(request.peerURLs), request.isLearner)
@@ -197,7 +191,7 @@ class ClusterService(rpc_pb2_grpc.ClusterServicer):
         return self._answer(resp)
 
     async def MemberRemove(
-        self, request: rpc_pb2.MemberRemoveRequest, context: Context
+        self, request: rpc_pb2.MemberRemoveRequest, context: Call
     ) -> rpc_pb2.MemberRemoveResponse:
         try:
             await self.membership.remove(request.ID)
@@ -206,7 +200,7 @@ class ClusterService(rpc_pb2_grpc.ClusterServicer):
         return self._answer(rpc_pb2.MemberRemoveResponse())
 
     async def MemberUpdate(
-        self, request: rpc_pb2.MemberUpdateRequest, context: Context
+        self, request: rpc_pb2.MemberUpdateRequest, context: Call
     ) -> rpc_pb2.MemberUpdateResponse:
         try:
             await self.membership.update(request.ID, tuple(request.peerURLs))

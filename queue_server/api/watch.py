@@ -32,7 +32,6 @@ from queue_server.watch.hub import PROGRESS_WATCH_ID, WatchHub, WatchStream
 
 log = logging.getLogger(__name__)
 
-Context = Call
 
 WRITE_BATCH = 256
 """Responses handed to the transport in one write: what waited in the outbox
@@ -57,7 +56,7 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
         self,
         hub: WatchHub,
         header: HeaderFiller,
-        permitted: Callable[[Context, rpc_pb2.WatchCreateRequest], bool] | None = None,
+        permitted: Callable[[Call, rpc_pb2.WatchCreateRequest], bool] | None = None,
     ) -> None:
         self.hub = hub
         self.header = header
@@ -70,7 +69,7 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
         self._wire_bytes = 0
 
     async def Watch(
-        self, request_iterator: AsyncIterator[rpc_pb2.WatchRequest], context: Context
+        self, request_iterator: AsyncIterator[rpc_pb2.WatchRequest], context: Call
     ) -> None:
         wake = asyncio.Event()
         room = asyncio.Event()
@@ -91,7 +90,7 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
         self,
         requests: AsyncIterator[rpc_pb2.WatchRequest],
         stream: WatchStream,
-        context: Context,
+        context: Call,
         room: asyncio.Event,
     ) -> None:
         hub = self.hub
@@ -130,7 +129,7 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
         wake: asyncio.Event,
         room: asyncio.Event,
         reader: asyncio.Task[None],
-        context: Context,
+        context: Call,
     ) -> None:
         ids = self.header
         wire = self._wire

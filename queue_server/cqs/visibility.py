@@ -22,12 +22,11 @@ imports of the node driver (it is above this package).
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from collections.abc import Callable
 
-from etcdserverpb import internal_pb2
 from queue_server.cqs import commands
 from queue_server.cqs.state import CqsState, QueueNotFound
+from queue_server.proposals import ApplyResult, Propose, Spawn
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +34,6 @@ EXPIRY_CHECK_SECONDS = 0.1
 """How often queues are looked at: an expiry shows in the figures (and the
 notification can be dequeued again) at most this long after its time, plus one
 proposal. Looking costs one heap peek per CQS queue."""
-
-Propose = Callable[[internal_pb2.Command], Awaitable[object]]
-Spawn = Callable[[Coroutine[Any, Any, None]], object]
 
 
 class VisibilityTimer:
@@ -74,6 +70,7 @@ class VisibilityTimer:
                 self.spawn(self._expire(name, wall))
 
     async def _expire(self, name: str, wall: int) -> None:
+        result: ApplyResult | Exception
         try:
             result = await self.propose(commands.expire(name, wall))
         except Exception as e:  # the next tick tries again

@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from google.protobuf import json_format
 
@@ -32,15 +31,13 @@ from queue_server.cqs import commands
 from queue_server.cqs.state import CqsState
 from queue_server.keyspace import grammar as keys
 from queue_server.mvcc.store import MVCCStore
+from queue_server.proposals import Propose, Spawn
 from queue_server.watch.hub import Watcher
 
 log = logging.getLogger(__name__)
 
 VISIBILITY_CHECK_SECONDS = 0.05
 """How often queues waiting for a notification to become visible are looked at."""
-
-Propose = Callable[[internal_pb2.Command], Awaitable[object]]
-Spawn = Callable[[Coroutine[Any, Any, None]], object]
 
 
 def delivery_key(queue: str, seq: int, token: str) -> bytes:

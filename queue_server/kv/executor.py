@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from etcdserverpb import kv_pb2, rpc_pb2
+from etcdserverpb import rpc_pb2
 from queue_server.errors import Compacted, FutureRevision, KeyNotFound, LeaseNotFound
 from queue_server.mvcc.store import ALL_KEYS_END, KeyValue, MVCCStore, WriteTxn
+from queue_server.watch.hub import fill_kv
 
 RangeRequest = rpc_pb2.RangeRequest
 SortOrder = rpc_pb2.RangeRequest.SortOrder
@@ -39,17 +40,6 @@ def range_end_of(range_end: bytes) -> bytes | None:
     if range_end == b"\x00":
         return ALL_KEYS_END
     return range_end
-
-
-def fill_kv(dst: kv_pb2.KeyValue, kv: KeyValue, keys_only: bool = False) -> None:
-    dst.key = kv.key
-    dst.create_revision = kv.create_revision
-    dst.mod_revision = kv.mod_revision
-    dst.version = kv.version
-    if not keys_only:
-        dst.value = kv.value
-    if kv.lease:
-        dst.lease = kv.lease
 
 
 LeaseExists = Callable[[int], bool]

@@ -23,14 +23,14 @@ through `QueueState.queues` and never change it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from etcdserverpb import internal_pb2, kv_pb2, rpc_pb2
 from queue_server.keyspace import grammar as keys
 from queue_server.mq.state import Assignment, QueueState
 from queue_server.mvcc.store import MVCCStore
+from queue_server.proposals import ApplyResult, Propose, Spawn
 from queue_server.watch.hub import Watcher
 
 log = logging.getLogger(__name__)
@@ -43,9 +43,6 @@ response over that breaks the consumer's stream, which gives its messages back,
 and they come back in one response again. Half of 4 MiB leaves room for the
 framing; one message alone (at most --max-request-bytes, 1.5 MiB by default) is
 always sent."""
-
-Propose = Callable[[internal_pb2.Command], Awaitable[object]]
-Spawn = Callable[[Coroutine[Any, Any, None]], object]
 
 
 @dataclass(eq=False, slots=True)
@@ -154,6 +151,7 @@ class Delivery:
     async def propose_quietly(self, command: internal_pb2.Command) -> None:
         """Propose a bookkeeping write whose failure is only logged: a later
         event (a restart, a session expiry, the next deadline) redoes it."""
+        result: ApplyResult | Exception
         try:
             result = await self.propose(command)
         except Exception as e:

@@ -29,8 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 from etcdserverpb import internal_pb2, rpc_pb2
 from queue_server.cqs.state import CqsState
@@ -42,6 +41,7 @@ from queue_server.keyspace.router import KeyspaceRouter
 from queue_server.mq.delivery import Delivery, LocalConsumer
 from queue_server.mq.state import QueueState
 from queue_server.mvcc.store import Event, MVCCStore
+from queue_server.proposals import Propose, Spawn
 from queue_server.watch.hub import Watcher
 
 log = logging.getLogger(__name__)
@@ -49,8 +49,6 @@ log = logging.getLogger(__name__)
 REGISTER_RETRY_SECONDS = 0.5
 """Pause between attempts to write a consumer's registry key (no leader yet)."""
 
-Propose = Callable[[internal_pb2.Command], Awaitable[object]]
-Spawn = Callable[[Coroutine[Any, Any, None]], object]
 Session = Callable[[], Awaitable[int]]
 
 

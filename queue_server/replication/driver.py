@@ -67,7 +67,6 @@ from queue_server.admission import MAX_UNAPPLIED, too_large
 from queue_server.apply import (
     Applier,
     ApplyFailed,
-    ApplyResult,
     Checkpoint,
     sections_with_tables,
 )
@@ -80,6 +79,7 @@ from queue_server.errors import (
     ServerStopped,
     TooManyRequests,
 )
+from queue_server.proposals import ApplyResult
 from queue_server.replication.peers import Peers, PeerUnavailable
 from queue_server.replication.storage import (
     HeldPosition,

@@ -164,14 +164,17 @@ class WatchStream:
         return any(not w.synced and not w.consumer for w in self.watchers.values())
 
 
-def _fill_kv(dst: kv_pb2.KeyValue, kv: KeyValue) -> None:
+def fill_kv(dst: kv_pb2.KeyValue, kv: KeyValue, keys_only: bool = False) -> None:
+    """Copy `kv` into `dst`, a fresh message (the KV responses' and the watch
+    events' one filler). Zero fields are left unset: on a fresh proto3 message
+    that is the same message, and a tombstone costs three assignments fewer."""
     dst.key = kv.key
     if kv.create_revision:
         dst.create_revision = kv.create_revision
     dst.mod_revision = kv.mod_revision
     if kv.version:
         dst.version = kv.version
-    if kv.value:
+    if kv.value and not keys_only:
         dst.value = kv.value
     if kv.lease:
         dst.lease = kv.lease
@@ -439,10 +442,10 @@ class WatchHub:
             pe = add()
             if e.is_delete:
                 pe.type = kv_pb2.Event.DELETE
-            _fill_kv(pe.kv, e.kv)
+            fill_kv(pe.kv, e.kv)
             size += len(e.kv.key) + len(e.kv.value) + EVENT_OVERHEAD_BYTES
             if want_prev and e.prev_kv is not None:
-                _fill_kv(pe.prev_kv, e.prev_kv)
+                fill_kv(pe.prev_kv, e.prev_kv)
                 size += len(e.prev_kv.key) + len(e.prev_kv.value)
         if watcher.fragment and len(response.events) > 1:
             parts = self._fragments(response)

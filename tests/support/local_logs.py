@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from etcdserverpb import internal_pb2, rpc_pb2
-from queue_server.apply import Applier, ApplyResult, StateMachine
+from queue_server.apply import Applier, StateMachine
 from queue_server.local_log import LocalLog
+from queue_server.proposals import ApplyResult
 from queue_server.storage.snapshot import SnapshotStore
 from queue_server.storage.wal import WriteAheadLog
 

@@ -17,8 +17,9 @@ import random
 import uuid
 
 from etcdserverpb import internal_pb2, rpc_pb2
-from queue_server.apply import ApplyResult, StateMachine
+from queue_server.apply import StateMachine
 from queue_server.errors import EtcdError
+from queue_server.proposals import ApplyResult
 
 Command = internal_pb2.Command
 

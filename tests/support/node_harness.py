@@ -16,7 +16,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from etcdserverpb import internal_pb2, rpc_pb2
-from queue_server.apply import Applier, ApplyResult, Effects, StateMachine
+from queue_server.apply import Applier, Effects, StateMachine
 from queue_server.cqs.visibility import VisibilityTimer
 from queue_server.cqs.watch_view import CqsWatchConsumers
 from queue_server.lease.expiry import ExpiryClock, ExpiryPolicy
@@ -26,6 +26,7 @@ from queue_server.mvcc.store import MVCCStore
 from queue_server.node.consumers import ConsumerDirectory
 from queue_server.node.driver import NodeDriver, NodeParts
 from queue_server.node.timers import Timers
+from queue_server.proposals import ApplyResult
 from queue_server.watch.hub import WatchHub, WatchStream
 
 Command = internal_pb2.Command

@@ -25,10 +25,11 @@ import lmdb
 import pytest
 
 from etcdserverpb import rpc_pb2
-from queue_server.apply import Applier, ApplyResult, StateMachine
+from queue_server.apply import Applier, StateMachine
 from queue_server.errors import Compacted
 from queue_server.local_log import BackendBehindLogError, LocalLog
 from queue_server.mvcc.store import ALL_KEYS_END
+from queue_server.proposals import ApplyResult
 from queue_server.storage import etcd_backend
 from queue_server.storage.backend import DB_DIR, Backend, CommitBatch
 from queue_server.storage.snapshot import CorruptSnapshotError

@@ -19,10 +19,11 @@ import pytest
 
 from etcdserverpb import cqs_pb2, internal_pb2, rpc_pb2
 from queue_server import local_log
-from queue_server.apply import ApplyResult, Checkpoint, StateMachine, sections_with_tables
+from queue_server.apply import Checkpoint, StateMachine, sections_with_tables
 from queue_server.cqs.state import JOURNALED_ROW_BYTES, CqsState
 from queue_server.cqs.tree import KEY_BYTES, DamagedRow, key_priority
 from queue_server.errors import EtcdError
+from queue_server.proposals import ApplyResult
 from queue_server.storage import snapshot
 from queue_server.storage.backend import Backend, CommitBatch
 from tests.support.local_logs import open_log, propose_all, put, settled

@@ -20,9 +20,10 @@ import pytest
 from google.protobuf.message import Message
 
 from etcdserverpb import cqs_pb2, internal_pb2, rpc_pb2
-from queue_server.apply import ApplyResult, StateMachine
+from queue_server.apply import StateMachine
 from queue_server.errors import EtcdError
 from queue_server.keyspace import grammar as keys
+from queue_server.proposals import ApplyResult
 from queue_server.storage.snapshot import SnapshotStore
 
 pytestmark = pytest.mark.unit
