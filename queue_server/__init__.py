@@ -11,8 +11,9 @@ with no I/O, is a library beside the package and imports nothing from it.
                 --backend-endpoints, FrontServer), signals, exit status.
 - `front/`      a front over an existing etcd: every etcd method forwarded as bytes
                 (`forward.py`), the backend connection (`upstream.py`, and our own
-                HTTP/2 client for unary calls, `h2_client.py`), its lifecycle
-                (`server.py`). Keeps no data.
+                HTTP/2 client for unary calls, `h2_client.py`), the etcd-key queue
+                over etcd (`queues.py`: consumer registrations, one dispatcher per
+                queue), its lifecycle (`server.py`). Keeps no data.
 - `server.py`   composition and lifecycle: builds the parts, hands them to the node
                 driver, binds the ports; graceful stop. With --initial-cluster it
                 puts `replication.driver.ClusterLog` (Raft) where the local log would be.
