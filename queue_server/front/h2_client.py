@@ -76,6 +76,7 @@ connection's writes and reads do not serialize every call."""
 RECV_TOP_UP = MAX_WINDOW // 2
 """Connection window used before we give it back in one WINDOW_UPDATE."""
 DECODED_BLOCKS = 64
+MAX_STREAM_ID = 2**31 - 1
 _SETTINGS_ENTRY = struct.Struct(">HI")
 _MESSAGE_PREFIX = struct.Struct(">BI")
 
@@ -365,6 +366,9 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         sid = self.next_id
         self.next_id += 2
+        if self.next_id > MAX_STREAM_ID:  # ids run out: new calls go to a new connection
+            self.draining = True
+            self.pool.forget(self)
         body = _MESSAGE_PREFIX.pack(0, len(message)) + message
         call = _Call(
             asyncio.get_running_loop().create_future(), memoryview(body), self.peer_initial

@@ -350,6 +350,7 @@ class FrontProcess(ServerProcess):
         self.backend_etcd: EtcdProcess | None = None
         """The one etcd behind it, when a fixture started one for it alone."""
         backend_urls = ",".join(e if "://" in e else f"http://{e}" for e in backend)
-        super().__init__(
-            data_dir, extra_args=["--backend-endpoints", backend_urls, *(extra_args or [])]
-        )
+        # a front serves on the native transport only: the flag wins over an
+        # ETCD_GRPC_TRANSPORT=grpcio that a test run may set for our servers
+        args = ["--backend-endpoints", backend_urls, "--grpc-transport", "native"]
+        super().__init__(data_dir, extra_args=[*args, *(extra_args or [])])
