@@ -18,9 +18,8 @@ a consumer's unregistration.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message_factory import GetMessageClass
@@ -28,7 +27,7 @@ from grpc import aio
 
 from etcdserverpb import rpc_pb2, v3election_pb2, v3lock_pb2
 from queue_server.front.h2_client import CallError
-from queue_server.front.queues import QueueFronts, WatchStreamState
+from queue_server.front.queues import QueueFronts
 from queue_server.front.upstream import Upstream
 from queue_server.transport.methods import Call, Handler, Method
 from queue_server.transport.status import Status
@@ -112,17 +111,40 @@ def _server_stream(upstream: Upstream, path: str) -> Handler:
     return handler
 
 
-def _bidi_stream(upstream: Upstream, path: str) -> Handler:
+class StreamTap(Protocol):
+    """What may see, and rewrite, the requests of one forwarded bidi stream."""
+
+    async def request(self, data: bytes) -> bytes:
+        """The request to send the backend in place of `data`."""
+
+    def response(self, data: bytes) -> None:
+        """A response on its way to the client."""
+
+    def end(self) -> None:
+        """The stream ended, either way."""
+
+
+WATCH_PATH = "/etcdserverpb.Watch/Watch"
+
+
+def _bidi_stream(
+    upstream: Upstream, path: str, tap: Callable[[], StreamTap] | None = None
+) -> Handler:
+    """A bidi stream forwarded both ways; `tap` makes each stream's `StreamTap`."""
     open_stream = upstream.channel.stream_stream(path, _identity, _identity)
 
     async def handler(requests: AsyncIterator[Any], call: Call) -> None:
+        seen = tap() if tap is not None else None
         stream = open_stream(None, metadata=_metadata(call), timeout=call.time_remaining())
 
         async def pump() -> None:
-            with contextlib.suppress(aio.AioRpcError, asyncio.InvalidStateError):
+            try:
                 async for request in requests:
-                    await stream.write(_as_bytes(request))
+                    data = _as_bytes(request)
+                    await stream.write(data if seen is None else await seen.request(data))
                 await stream.done_writing()
+            except (aio.AioRpcError, asyncio.InvalidStateError):
+                stream.cancel()  # the stream (or what the tap asked of etcd) failed: end it
 
         pumping = asyncio.ensure_future(pump())
         try:
@@ -130,50 +152,16 @@ def _bidi_stream(upstream: Upstream, path: str) -> Handler:
                 reply = await stream.read()
                 if type(reply) is not bytes:  # grpc.aio.EOF: the backend ended the stream
                     break
+                if seen is not None:
+                    seen.response(reply)
                 await call.write(reply)
         except aio.AioRpcError as e:
             await _abort_with(call, e)
         finally:
             pumping.cancel()
             stream.cancel()
-
-    return handler
-
-
-WATCH_PATH = "/etcdserverpb.Watch/Watch"
-
-
-def _watch_stream(upstream: Upstream, queues: QueueFronts) -> Handler:
-    """Watch, forwarded with the queues' say: a consumer's watch is registered and
-    rewritten (`QueueFronts.on_watch_request`), and its end unregisters it."""
-    open_stream = upstream.channel.stream_stream(WATCH_PATH, _identity, _identity)
-
-    async def handler(requests: AsyncIterator[Any], call: Call) -> None:
-        state = WatchStreamState()
-        stream = open_stream(None, metadata=_metadata(call), timeout=call.time_remaining())
-
-        async def pump() -> None:
-            try:
-                async for request in requests:
-                    await stream.write(await queues.on_watch_request(_as_bytes(request), state))
-                await stream.done_writing()
-            except (aio.AioRpcError, asyncio.InvalidStateError):
-                stream.cancel()  # the registration or the stream failed: end the call
-
-        pumping = asyncio.ensure_future(pump())
-        try:
-            while True:
-                reply = await stream.read()
-                if type(reply) is not bytes:
-                    break
-                queues.on_watch_response(reply, state)
-                await call.write(reply)
-        except aio.AioRpcError as e:
-            await _abort_with(call, e)
-        finally:
-            pumping.cancel()
-            stream.cancel()
-            queues.on_watch_stream_end(state)
+            if seen is not None:
+                seen.end()
 
     return handler
 
@@ -198,7 +186,7 @@ def forward_methods(upstream: Upstream, queues: QueueFronts | None = None) -> li
             path = f"/{service.full_name}/{m.name}"
             handler = _handler(upstream, path, m.client_streaming, m.server_streaming)
             if path == WATCH_PATH and queues is not None:
-                handler = _watch_stream(upstream, queues)
+                handler = _bidi_stream(upstream, path, queues.watch_tap)
             methods.append(
                 Method(
                     service=service.full_name,

@@ -152,6 +152,23 @@ class WatchStreamState:
     """Backend watch id -> registration key."""
 
 
+class ConsumerTap:
+    """One forwarded Watch stream as the queues see it (a `forward.StreamTap`)."""
+
+    def __init__(self, queues: QueueFronts) -> None:
+        self.queues = queues
+        self.state = WatchStreamState()
+
+    async def request(self, data: bytes) -> bytes:
+        return await self.queues.on_watch_request(data, self.state)
+
+    def response(self, data: bytes) -> None:
+        self.queues.on_watch_response(data, self.state)
+
+    def end(self) -> None:
+        self.queues.on_watch_stream_end(self.state)
+
+
 class QueueFronts:
     """The queue side of a front: consumer registrations and dispatchers."""
 
@@ -169,6 +186,9 @@ class QueueFronts:
         task.add_done_callback(self._tasks.discard)
 
     # -- what the Watch forwarding asks ---------------------------------------------------
+
+    def watch_tap(self) -> ConsumerTap:
+        return ConsumerTap(self)
 
     async def on_watch_request(self, data: bytes, state: WatchStreamState) -> bytes:
         """The request to send the backend in place of `data`."""
