@@ -98,6 +98,10 @@ class FrontSession:
         self._task = asyncio.ensure_future(self._keep())
 
     async def ready(self) -> int:
+        """The session lease, granted at the first need: a front whose clients
+        use no queue writes nothing to etcd of its own."""
+        if self._task is None:
+            self.start()
         await self._ready.wait()
         return self.lease
 
@@ -176,9 +180,6 @@ class QueueFronts:
         self.session = FrontSession(upstream)
         self.dispatchers: dict[bytes, Dispatcher] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-
-    def start(self) -> None:
-        self.session.start()
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)

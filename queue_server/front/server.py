@@ -95,7 +95,6 @@ class FrontServer:
         except (TLSError, UpstreamError) as e:
             raise FrontStartError(str(e)) from e
         self.queues = QueueFronts(self.upstream)
-        self.queues.start()
         observer = RpcObserver(self.metrics.registry, cfg.warning_apply_duration)
         table = MethodTable(forward_methods(self.upstream, self.queues)).wrapped(
             observer.middleware
