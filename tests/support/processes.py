@@ -163,7 +163,11 @@ class ServerProcess:
                 env=os.environ.copy(),
             )
         if wait:
-            wait_ready(self.endpoint, self.proc, credentials=self.credentials)
+            try:
+                wait_ready(self.endpoint, self.proc, credentials=self.credentials)
+            except BaseException:
+                self.kill()  # not ready: a fixture that fails here never stops it
+                raise
         return self
 
     def stop(self) -> int:
