@@ -40,7 +40,7 @@ from queue_server.http_health import (
     respond,
 )
 from queue_server.metrics import ServerMetrics
-from queue_server.tls import TLSError, ignored_on_http, load_credentials, server_ssl_context
+from queue_server.tls import TLSError, ignored_on_http, server_ssl_context
 from queue_server.transport.grpc_protocol import ConnectionSettings
 from queue_server.transport.h2 import STREAM_CAP, Limits
 from queue_server.transport.methods import MethodTable
@@ -82,7 +82,9 @@ class FrontServer:
     async def start(self) -> None:
         cfg = self.config
         try:
-            tls = load_credentials(cfg)
+            # one context for every https client URL, built (and its files checked) once
+            https = any(secure_url(u) for u in cfg.listen_client_urls)
+            client_tls = server_ssl_context(cfg.client_tls) if https else None
             self.upstream = Upstream(
                 UpstreamConfig(
                     cfg.backend_endpoints,
@@ -120,12 +122,11 @@ class FrontServer:
             for warning in ignored_on_http(cfg.client_tls, url, "client"):
                 log.warning(warning)
             host, _, port = url_to_address(url).rpartition(":")
-            context = server_ssl_context(cfg.client_tls) if secure_url(url) else None
+            context = client_tls if secure_url(url) else None
             try:
                 self.bound_ports.append(await self.native.listen(host, int(port), context))
             except OSError as e:
                 raise FrontStartError(f"cannot listen on {host}:{port}: {e.strerror}") from e
-        del tls
         self.health = HealthListener(
             HealthChecker(
                 AlarmTable(),
