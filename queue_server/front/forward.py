@@ -26,8 +26,10 @@ from google.protobuf.message_factory import GetMessageClass
 from grpc import aio
 
 from etcdserverpb import rpc_pb2, v3election_pb2, v3lock_pb2
+from queue_server.errors import EtcdError
+from queue_server.front import admission
 from queue_server.front.h2_client import CallError
-from queue_server.front.queues import QueueFronts
+from queue_server.front.queues import QueueFronts, Refused
 from queue_server.front.upstream import Upstream
 from queue_server.transport.methods import Call, Handler, Method
 from queue_server.transport.status import Status
@@ -75,14 +77,26 @@ async def _abort_with(call: Call, error: aio.AioRpcError) -> None:
     await call.abort(code, details)
 
 
+CHECKS: dict[str, Callable[[bytes], None]] = {
+    "/etcdserverpb.KV/Put": admission.check_put,
+    "/etcdserverpb.KV/Txn": admission.check_txn,
+}
+"""Requests a front checks before it forwards them: writes of queue keys."""
+
+
 def _unary(upstream: Upstream, path: str) -> Handler:
     send = upstream.unary.call
+    check = CHECKS.get(path)
 
     async def handler(request: Any, call: Call) -> bytes:
+        data = _as_bytes(request)
+        if check is not None:
+            try:
+                check(data)
+            except EtcdError as e:
+                await call.abort(Status[e.code], e.text)
         try:
-            return await send(
-                path, _as_bytes(request), call.invocation_metadata(), call.time_remaining()
-            )
+            return await send(path, data, call.invocation_metadata(), call.time_remaining())
         except CallError as e:
             message = e.message
             if e.code is Status.UNAVAILABLE and not message.startswith("etcdserver:"):
@@ -115,7 +129,8 @@ class StreamTap(Protocol):
     """What may see, and rewrite, the requests of one forwarded bidi stream."""
 
     async def request(self, data: bytes) -> bytes:
-        """The request to send the backend in place of `data`."""
+        """The request to send the backend in place of `data`; raises
+        `Refused` to answer the client itself and send nothing."""
 
     def response(self, data: bytes) -> None:
         """A response on its way to the client."""
@@ -141,7 +156,13 @@ def _bidi_stream(
             try:
                 async for request in requests:
                     data = _as_bytes(request)
-                    await stream.write(data if seen is None else await seen.request(data))
+                    if seen is not None:
+                        try:
+                            data = await seen.request(data)
+                        except Refused as refused:
+                            await call.write(refused.response)
+                            continue
+                    await stream.write(data)
                 await stream.done_writing()
             except (aio.AioRpcError, asyncio.InvalidStateError):
                 stream.cancel()  # the stream (or what the tap asked of etcd) failed: end it

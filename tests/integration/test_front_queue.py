@@ -211,3 +211,214 @@ def test_when_a_consumers_front_dies_its_messages_go_to_a_consumer_elsewhere(
     for kv_ in again:
         assert ack(a, kv_.key) == 1
     on_a.close()
+
+
+# -- settings, ack deadlines, delivery counts, dead letters, refusals -----------------
+
+
+def configure(front: FrontProcess, name: bytes, settings: bytes) -> None:
+    kv(front).Put(rpc_pb2.PutRequest(key=b"/q/%s/config" % name, value=settings), timeout=WAIT)
+
+
+def message_version(cluster: EtcdCluster, name: bytes, key: bytes) -> int:
+    """The etcd version of the queue's message key ending in `/key` (0: none)."""
+    with grpc.insecure_channel(cluster.endpoints[2]) as ch:
+        reply = rpc_pb2_grpc.KVStub(ch).Range(
+            rpc_pb2.RangeRequest(key=b"/q/%s/0" % name, range_end=b"/q/%s/:" % name),
+            timeout=WAIT,
+        )
+    found = [kv.version for kv in reply.kvs if kv.key.endswith(b"/" + key)]
+    return int(found[0]) if found else 0
+
+
+def lease_stub(front: FrontProcess) -> rpc_pb2_grpc.LeaseStub:
+    return rpc_pb2_grpc.LeaseStub(grpc.insecure_channel(front.endpoint))
+
+
+def dead_letters(cluster: EtcdCluster, name: bytes) -> list[kv_pb2.KeyValue]:
+    """The message keys of `{name}.dead`, once its dispatcher has moved them."""
+    with grpc.insecure_channel(cluster.endpoints[0]) as ch:
+        reply = rpc_pb2_grpc.KVStub(ch).Range(
+            rpc_pb2.RangeRequest(key=b"/q/%s.dead/0" % name, range_end=b"/q/%s.dead/:" % name),
+            timeout=WAIT,
+        )
+    return list(reply.kvs)
+
+
+def wait_for_dead_letters(cluster: EtcdCluster, name: bytes, n: int) -> list[kv_pb2.KeyValue]:
+    deadline = time.monotonic() + WAIT
+    while len(found := dead_letters(cluster, name)) < n:
+        assert time.monotonic() < deadline, f"{len(found)} of {n} dead letters within {WAIT}s"
+        time.sleep(0.05)  # polling etcd itself: there is no event to await
+    return found
+
+
+def test_a_queues_prefetch_setting_is_read_from_its_config(fronts: list[FrontProcess]) -> None:
+    a, b = fronts
+    name = b"fq-prefetch"
+    configure(a, name, b'{"prefetch": 2}')
+    consumer = Consumer(b, name)
+    for i in range(5):
+        produce(a, name, b"k%d" % i, b"v%d" % i)
+    first = consumer.deliveries(2)
+    with pytest.raises(AssertionError):
+        consumer.deliveries(1, timeout=1.0)  # full at 2: the third waits for an ack
+    assert ack(a, first[0].key) == 1
+    assert [kv.value for kv in consumer.deliveries(1)] == [b"v2"]
+    consumer.close()
+
+
+def test_an_unacknowledged_delivery_comes_back_after_its_ack_deadline(
+    cluster: EtcdCluster, fronts: list[FrontProcess]
+) -> None:
+    a, b = fronts
+    name = b"fq-deadline"
+    configure(a, name, b'{"ack_deadline": "2s"}')
+    consumer = Consumer(b, name)
+    produce(a, name, b"slow", b"slow work")
+    (first,) = consumer.deliveries(1)
+    assert first.lease, "a delivery under a deadline carries its lease"
+    granted = lease_stub(a).LeaseTimeToLive(
+        rpc_pb2.LeaseTimeToLiveRequest(ID=first.lease, keys=True), timeout=WAIT
+    )
+    assert 2 <= granted.grantedTTL <= 4, granted
+    assert first.key in granted.keys
+    started = time.monotonic()
+    (again,) = consumer.deliveries(1)  # no ack: taken back, and handed out again
+    assert time.monotonic() - started >= 1.5
+    assert again.key == first.key and again.value == b"slow work"
+    assert again.lease != first.lease
+    assert message_version(cluster, name, b"slow") == 2  # one failed delivery counted
+    assert ack(a, again.key) == 1
+    consumer.close()
+
+
+def test_lease_keepalive_on_a_delivery_holds_it_past_the_deadline(
+    fronts: list[FrontProcess],
+) -> None:
+    a, b = fronts
+    name = b"fq-keepalive"
+    configure(a, name, b'{"ack_deadline": "2s"}')
+    consumer = Consumer(b, name)
+    produce(a, name, b"long", b"long work")
+    (held,) = consumer.deliveries(1)
+    leases = lease_stub(a)
+
+    def keepalives() -> Iterator[rpc_pb2.LeaseKeepAliveRequest]:
+        for _ in range(12):  # 6 s of keepalives, three deadlines' worth
+            yield rpc_pb2.LeaseKeepAliveRequest(ID=held.lease)
+            time.sleep(0.5)
+
+    answers = list(leases.LeaseKeepAlive(keepalives(), timeout=WAIT))
+    assert len(answers) == 12 and all(r.TTL > 0 for r in answers), answers
+    assert consumer.stream.responses.empty(), "redelivered while kept alive"
+    assert ack(a, held.key) == 1
+    consumer.close()
+
+
+def test_revoked_deliveries_are_counted_and_dead_lettered_at_max_deliveries(
+    cluster: EtcdCluster, fronts: list[FrontProcess]
+) -> None:
+    a, b = fronts
+    name = b"fq-dead"
+    configure(a, name, b'{"max_deliveries": 2}')
+    consumer = Consumer(b, name)
+    produce(a, name, b"poison", b"poison pill")
+    (first,) = consumer.deliveries(1)
+    leases = lease_stub(b)
+    leases.LeaseRevoke(rpc_pb2.LeaseRevokeRequest(ID=first.lease), timeout=WAIT)  # a nack
+    (second,) = consumer.deliveries(1)
+    assert second.key == first.key
+    leases.LeaseRevoke(rpc_pb2.LeaseRevokeRequest(ID=second.lease), timeout=WAIT)
+    (dead,) = wait_for_dead_letters(cluster, name, 1)
+    assert dead.key.endswith(b"/poison") and dead.value == b"poison pill"
+    assert pending_in_etcd(cluster, name) == 0
+    with pytest.raises(AssertionError):
+        consumer.deliveries(1, timeout=1.0)  # dead: not handed out again
+    consumer.close()
+
+
+def test_a_consumer_that_goes_away_counts_a_failed_delivery(
+    cluster: EtcdCluster, fronts: list[FrontProcess]
+) -> None:
+    a, b = fronts
+    name = b"fq-gone-dead"
+    configure(a, name, b'{"max_deliveries": 1, "dead_letter": "fq-graveyard"}')
+    leaving = Consumer(b, name)
+    produce(a, name, b"k", b"v")
+    assert len(leaving.deliveries(1)) == 1
+    leaving.close()
+    deadline = time.monotonic() + WAIT
+    with grpc.insecure_channel(cluster.endpoints[0]) as ch:
+        stub = rpc_pb2_grpc.KVStub(ch)
+        while True:
+            found = stub.Range(
+                rpc_pb2.RangeRequest(key=b"/q/fq-graveyard/0", range_end=b"/q/fq-graveyard/:"),
+                timeout=WAIT,
+            ).kvs
+            if found:
+                break
+            assert time.monotonic() < deadline, "no dead letter in the named queue"
+            time.sleep(0.05)  # polling etcd itself: there is no event to await
+    assert [kv.value for kv in found] == [b"v"]
+
+
+def test_a_front_refuses_malformed_queue_keys_and_configs(
+    cluster: EtcdCluster, fronts: list[FrontProcess]
+) -> None:
+    a, _ = fronts
+    stub = kv(a)
+    refused = [
+        (rpc_pb2.PutRequest(key=b"/q//p/k", value=b"x"), "empty queue name"),
+        (rpc_pb2.PutRequest(key=b"/q/fq-bad/producer/k"), '"producer" is the /queue/ spelling'),
+        (
+            rpc_pb2.PutRequest(key=b"/q/fq-bad/config", value=b'{"prefetch": "16"}'),
+            '"prefetch": "16" is not an integer',
+        ),
+        (
+            rpc_pb2.PutRequest(key=b"/q/fq-bad/config", value=b'{"prefetc": 16}'),
+            'unknown field "prefetc"',
+        ),
+    ]
+    for request, why in refused:
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Put(request, timeout=WAIT)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert why in (e.value.details() or ""), e.value.details()
+    txn = rpc_pb2.TxnRequest(
+        success=[
+            rpc_pb2.RequestOp(request_put=rpc_pb2.PutRequest(key=b"fq-bad-ordinary", value=b"1")),
+            rpc_pb2.RequestOp(
+                request_put=rpc_pb2.PutRequest(
+                    key=b"/q/fq-bad/config", value=b'{"ack_deadline": -1}'
+                )
+            ),
+        ]
+    )
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Txn(txn, timeout=WAIT)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert '"ack_deadline": -1 is negative' in (e.value.details() or "")
+    with grpc.insecure_channel(cluster.endpoints[0]) as ch:
+        written = rpc_pb2_grpc.KVStub(ch).Range(
+            rpc_pb2.RangeRequest(key=b"/q/", range_end=b"/q0", keys_only=True), timeout=WAIT
+        )
+        ordinary = rpc_pb2_grpc.KVStub(ch).Range(
+            rpc_pb2.RangeRequest(key=b"fq-bad-ordinary"), timeout=WAIT
+        )
+    assert not [kv.key for kv in written.kvs if b"fq-bad" in kv.key or kv.key.startswith(b"/q//")]
+    assert not ordinary.kvs, "a refused Txn wrote nothing"
+    # a valid config goes through; an etcd refusal stays etcd's
+    stub.Put(rpc_pb2.PutRequest(key=b"/q/fq-bad/config", value=b'{"prefetch": 16}'), timeout=WAIT)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Put(rpc_pb2.PutRequest(key=b"", value=b"x"), timeout=WAIT)
+    assert e.value.details() == "etcdserver: key is not provided"
+    # a consumer watch of a broken shape: created and canceled, with the reason
+    with grpc.insecure_channel(a.endpoint) as ch:
+        stream = WatchStream(ch)
+        answer = stream.create(b"/q/fq-bad/c/not-a-uuid")
+        assert answer.created and answer.canceled and answer.watch_id == -1
+        assert 'consumer id "not-a-uuid" is not a UUID' in answer.cancel_reason
+        # the stream goes on: an ordinary watch on it is created
+        assert stream.watch(b"fq-bad-ordinary") >= 0
+        stream.close()

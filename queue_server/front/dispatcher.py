@@ -1,0 +1,530 @@
+"""One queue's dispatcher on a front: the queue's state rebuilt from etcd, and
+every decision written back to etcd as guarded Txns.
+
+What belongs here (docs/front-queue-design.md has the design): `Dispatcher`,
+which campaigns for a queue's registry key `/q/{name}` with its front's session
+lease, and while it holds it:
+
+- rebuilds the queue from one range of `/q/{name}/` and follows a watch from
+  there;
+- reads the queue's settings from `/q/{name}/config` (docs/queue.md,
+  "Settings": prefetch, ack deadline, max deliveries, dead-letter queue);
+- moves producer keys to message keys `/q/{name}/{idx}/{key}` (the message's
+  lease kept), and hands messages to consumers with room, round-robin, as
+  delivery keys `/q/{name}/c/{uuid}/{idx}/{key}`;
+- under an ack deadline, puts each delivery on a *delivery lease*: one etcd
+  lease per consumer, granted with the deadline (plus `LEASE_REUSE`) as TTL and
+  used for that consumer's hand-outs for `LEASE_REUSE` seconds. Beside the
+  deliveries, the lease carries a marker key `/q/{name}/lease/{id}`. When the
+  lease ends (its TTL lapsed, or a client revoked it), etcd deletes the marker
+  in the same revision as the deliveries still on it: deletes of delivery keys
+  in a revision that deleted their lease's marker are failed deliveries, every
+  other delete of a delivery key is an acknowledgement;
+- counts failed deliveries (taken back by a lease's end, or because the
+  consumer went away) in the message key's etcd `version`: the message key is
+  put again, with its value and lease, each time. At `max_deliveries` the
+  message moves to its dead-letter queue as a produce there
+  (`/q/{dead}/p/{key}`), which that queue's dispatcher moves in turn.
+
+Every write is a Txn guarded by `value(/q/{name}) == this front's id`, so a
+deposed dispatcher changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from grpc import aio
+from sortedcontainers import SortedDict
+
+from etcdserverpb import kv_pb2, rpc_pb2
+from queue_server.errors import EtcdError
+from queue_server.front.h2_client import CallError
+from queue_server.front.session import (
+    CALL_TIMEOUT,
+    RETRY_SECONDS,
+    FrontSession,
+    delete_op,
+    prefix_end,
+    put_op,
+)
+from queue_server.keyspace import grammar
+from queue_server.mq.state import QueueSettings
+
+log = logging.getLogger(__name__)
+
+MAX_TXN_OPS = 128
+"""etcd's --max-txn-ops default: the most operations one hand-out Txn carries."""
+LEASE_REUSE = 1.0
+"""Seconds a consumer's delivery lease takes further hand-outs after its grant.
+Its TTL is the ack deadline plus this, so no delivery gets less than the
+deadline, and a busy consumer costs etcd one LeaseGrant a second, not one a
+hand-out."""
+LEASE_WORD = b"lease"
+"""`/q/{name}/lease/{id}`: the marker of a delivery lease (an ordinary key to
+the grammar, so a client may read it, and nothing consumes it)."""
+
+
+@dataclass(slots=True)
+class _Message:
+    """A message key of the queue, as the dispatcher keeps it."""
+
+    key: bytes
+    """The `{key}` segment."""
+    value: bytes
+    lease: int
+    """The message's own lease (the producer's), 0 for none."""
+    failures: int
+    """Failed deliveries so far: the message key's etcd version less one."""
+
+
+@dataclass(slots=True)
+class _DeliveryLease:
+    """A lease the dispatcher granted for one consumer's deliveries."""
+
+    registration: bytes
+    granted: float
+    """time.monotonic() of the grant: it takes hand-outs for LEASE_REUSE."""
+    idxs: set[int]
+
+
+class Dispatcher:
+    """One queue's dispatcher, while this front holds its registry key.
+
+    `ensure_dispatcher(spelling, name)` asks the front to dispatch another queue
+    too: a dead-letter queue, whose produces this one writes."""
+
+    def __init__(
+        self,
+        session: FrontSession,
+        spelling: bytes,
+        name: bytes,
+        ensure_dispatcher: Callable[[bytes, bytes], None],
+    ) -> None:
+        self.session = session
+        self.spelling = spelling
+        self.name = name
+        self.ensure_dispatcher = ensure_dispatcher
+        self.registry = grammar.registry_key(spelling, name)
+        self.prefix = self.registry + b"/"
+        self.meta_key = self.registry + b"/meta"
+        self.config_key = grammar.config_key(spelling, name)
+        self.lease_prefix = self.prefix + LEASE_WORD + b"/"
+        self.reset()
+
+    def reset(self) -> None:
+        self.settings = QueueSettings()
+        self.messages: SortedDict[int, _Message] = SortedDict()
+        self.holder: dict[int, bytes] = {}
+        self.held: dict[bytes, set[int]] = {}
+        self.delivery_lease: dict[int, int] = {}
+        """idx -> the delivery lease its delivery key is on (under a deadline)."""
+        self.leases: dict[int, _DeliveryLease] = {}
+        self.current: dict[bytes, int] = {}
+        """Registration -> the delivery lease its next hand-outs go on."""
+        self.next_idx = 1
+        self.ours: set[int] = set()
+        """Revisions of our own Txns: their events are already in our state."""
+        self.ops: list[rpc_pb2.RequestOp] = []
+        self.turn = 0
+
+    # -- the election ---------------------------------------------------------------------
+
+    async def campaign(self) -> None:
+        while True:
+            try:
+                lease = await self.session.ready()
+                won = await self.session.kv.Txn(
+                    rpc_pb2.TxnRequest(
+                        compare=[
+                            rpc_pb2.Compare(
+                                key=self.registry,
+                                target=rpc_pb2.Compare.CREATE,
+                                result=rpc_pb2.Compare.EQUAL,
+                                create_revision=0,
+                            )
+                        ],
+                        success=[put_op(self.registry, self.session.front_id, lease)],
+                        failure=[
+                            rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=self.registry))
+                        ],
+                    ),
+                    metadata=await self.session.metadata(),
+                    timeout=CALL_TIMEOUT,
+                )
+                holder = (
+                    won.responses[0].response_range.kvs[0].value
+                    if not won.succeeded and won.responses[0].response_range.kvs
+                    else self.session.front_id
+                )
+                if won.succeeded or holder == self.session.front_id:
+                    log.info("dispatching queue=%s", grammar.show(self.registry))
+                    await self.dispatch()
+                else:
+                    await self._wait_for_vacancy(won.header.revision)
+            except aio.AioRpcError as e:
+                log.warning("queue %s: %s", grammar.show(self.registry), e.details())
+            except CallError as e:
+                log.warning("queue %s: %s", grammar.show(self.registry), e.message)
+            except Exception:
+                log.exception("queue %s: dispatcher failed", grammar.show(self.registry))
+            await asyncio.sleep(RETRY_SECONDS)
+
+    async def _wait_for_vacancy(self, revision: int) -> None:
+        """Until the registry key is deleted (its holder's lease expired)."""
+        async for events in self._watch(self.registry, b"", revision + 1):
+            if any(event.type == kv_pb2.Event.DELETE for event in events):
+                return
+
+    async def _watch(
+        self, key: bytes, range_end: bytes, start: int
+    ) -> AsyncIterator[list[kv_pb2.Event]]:
+        """The events of a watch, one response at a time (etcd never splits a
+        revision's events over responses unless asked to fragment)."""
+        create = rpc_pb2.WatchCreateRequest(key=key, range_end=range_end, start_revision=start)
+        stream = self.session.watches.Watch(metadata=await self.session.metadata())
+        try:
+            await stream.write(rpc_pb2.WatchRequest(create_request=create))
+            while True:
+                reply = await stream.read()
+                if not isinstance(reply, rpc_pb2.WatchResponse):
+                    return  # grpc.aio.EOF: the stream ended
+                if reply.canceled:
+                    return
+                if reply.events:
+                    yield list(reply.events)
+        finally:
+            stream.cancel()
+
+    # -- dispatching --------------------------------------------------------------------------
+
+    async def dispatch(self) -> None:
+        """Rebuild from one range, then follow the watch until we are deposed."""
+        self.reset()
+        snapshot = await self.session.kv.Range(
+            rpc_pb2.RangeRequest(key=self.prefix, range_end=prefix_end(self.prefix)),
+            metadata=await self.session.metadata(),
+            timeout=CALL_TIMEOUT,
+        )
+        # the config first: it decides what the rest means (a deadline, a limit)
+        for kv in snapshot.kvs:
+            if kv.key == self.config_key:
+                self._configure(kv.value)
+        # the delivery leases next: their keys sort after the deliveries on them.
+        # They take no new hand-outs (granted 0.0); the deliveries join below.
+        for kv in snapshot.kvs:
+            if kv.key.startswith(self.lease_prefix) and (lease := self._marker_lease(kv.key)):
+                self.leases[lease] = _DeliveryLease(bytes(kv.value), 0.0, set())
+        for kv in snapshot.kvs:
+            self._rebuilt(kv)
+        await self._hand_out()
+        if not await self._flush():
+            return
+        responses: asyncio.Queue[list[kv_pb2.Event] | None] = asyncio.Queue()
+
+        async def follow() -> None:
+            try:
+                async for events in self._watch(
+                    self.prefix, prefix_end(self.prefix), snapshot.header.revision + 1
+                ):
+                    responses.put_nowait(events)
+            finally:
+                responses.put_nowait(None)
+
+        watching = asyncio.ensure_future(follow())
+        try:
+            while True:
+                events = await responses.get()
+                while True:
+                    if events is None:
+                        return
+                    self._on_events(events)
+                    if responses.empty():
+                        break
+                    events = responses.get_nowait()
+                await self._hand_out()
+                if not await self._flush():
+                    return
+        finally:
+            watching.cancel()
+
+    def _marker_lease(self, key: bytes) -> int:
+        try:
+            return int(key[len(self.lease_prefix) :], 16)
+        except ValueError:
+            return 0
+
+    def _configure(self, value: bytes | None) -> None:
+        if value is None:
+            self.settings = QueueSettings()
+            return
+        try:
+            self.settings = QueueSettings.parse(value, self.config_key)
+        except EtcdError as e:  # written to etcd past the fronts' checks
+            log.warning("queue %s: config ignored: %s", grammar.show(self.registry), e)
+            self.settings = QueueSettings()
+        if self.settings.max_deliveries:
+            self.ensure_dispatcher(self.spelling, self._dead_letter_name())
+
+    def _dead_letter_name(self) -> bytes:
+        return self.settings.dead_letter or self.name + b".dead"
+
+    def _rebuilt(self, kv: kv_pb2.KeyValue) -> None:
+        if kv.key == self.meta_key:
+            with contextlib.suppress(ValueError):
+                self.next_idx = max(self.next_idx, int(kv.value))
+            return
+        parsed = grammar.parse(kv.key)
+        if parsed is None:
+            return
+        if parsed.kind == "produce":
+            self._move(kv)
+        elif parsed.kind == "message":
+            self.messages[parsed.idx] = _Message(parsed.key, kv.value, kv.lease, kv.version - 1)
+            self.next_idx = max(self.next_idx, parsed.idx + 1)
+        elif parsed.kind == "consume":
+            self.held.setdefault(bytes(kv.key), set())
+        elif parsed.kind == "delivery":
+            # keys sort message keys ("0".."9") before registrations ("c/{uuid}")
+            # before their deliveries ("c/{uuid}/..."): both are known by now
+            registration = grammar.consumer_key(self.spelling, self.name, parsed.consumer)
+            self.next_idx = max(self.next_idx, parsed.idx + 1)
+            if parsed.idx not in self.messages or registration not in self.held:
+                self.ops.append(delete_op(kv.key))  # its message or its consumer is gone
+                return
+            self.holder[parsed.idx] = registration
+            self.held[registration].add(parsed.idx)
+            if kv.lease in self.leases:
+                self.delivery_lease[parsed.idx] = kv.lease
+                self.leases[kv.lease].idxs.add(parsed.idx)
+
+    def _move(self, kv: kv_pb2.KeyValue) -> None:
+        parsed = grammar.parse(kv.key)
+        assert parsed is not None
+        idx = self.next_idx
+        self.next_idx += 1
+        self.ops.append(delete_op(kv.key))
+        self.ops.append(
+            put_op(
+                grammar.message_key(self.spelling, self.name, idx, parsed.key), kv.value, kv.lease
+            )
+        )
+        self.messages[idx] = _Message(parsed.key, kv.value, kv.lease, 0)
+
+    def _delivery_key(self, registration: bytes, idx: int, key: bytes) -> bytes:
+        return b"%s/%0*d/%s" % (registration, grammar.IDX_DIGITS, idx, key)
+
+    def _message_key(self, idx: int, message: _Message) -> bytes:
+        return grammar.message_key(self.spelling, self.name, idx, message.key)
+
+    def _release(self, idx: int) -> bytes | None:
+        """Forget who holds `idx`; returns the holder."""
+        registration = self.holder.pop(idx, None)
+        if registration is not None:
+            self.held.get(registration, set()).discard(idx)
+        lease = self.delivery_lease.pop(idx, None)
+        if lease is not None and lease in self.leases:
+            self.leases[lease].idxs.discard(idx)
+        return registration
+
+    def _give_back(self, registration: bytes) -> None:
+        """The consumer is gone: what it held is pending again, each a failed delivery."""
+        for idx in sorted(self.held.get(registration, ())):
+            message = self.messages.get(idx)
+            if message is not None:
+                self.ops.append(delete_op(self._delivery_key(registration, idx, message.key)))
+            self._failed(idx)
+        self.held.pop(registration, None)
+        self.current.pop(registration, None)
+
+    def _failed(self, idx: int) -> None:
+        """A delivery of `idx` ended unacknowledged: count it, and dead-letter
+        the message at the queue's `max_deliveries`."""
+        self._release(idx)
+        message = self.messages.get(idx)
+        if message is None:
+            return
+        message.failures += 1
+        limit = self.settings.max_deliveries
+        if limit and message.failures >= limit:
+            del self.messages[idx]
+            dead = self._dead_letter_name()
+            self.ops.append(delete_op(self._message_key(idx, message)))
+            self.ops.append(
+                put_op(
+                    grammar.producer_key(self.spelling, dead, message.key),
+                    message.value,
+                    message.lease,
+                )
+            )
+            self.ensure_dispatcher(self.spelling, dead)
+            log.info(
+                "queue %s: message %d dead-lettered after %d deliveries",
+                grammar.show(self.registry),
+                idx,
+                message.failures,
+            )
+        else:  # the count is the key's version: put it again as it is
+            self.ops.append(put_op(self._message_key(idx, message), message.value, message.lease))
+
+    def _on_events(self, events: list[kv_pb2.Event]) -> None:
+        """One watch response, revision by revision."""
+        start = 0
+        while start < len(events):
+            revision = events[start].kv.mod_revision
+            end = start + 1
+            while end < len(events) and events[end].kv.mod_revision == revision:
+                end += 1
+            if revision not in self.ours:
+                self._on_revision(events[start:end])
+            start = end
+
+    def _on_revision(self, events: list[kv_pb2.Event]) -> None:
+        ended = {
+            self._marker_lease(e.kv.key)
+            for e in events
+            if e.type == kv_pb2.Event.DELETE and e.kv.key.startswith(self.lease_prefix)
+        }
+        for lease in ended:
+            gone = self.leases.pop(lease, None)
+            if gone is not None and self.current.get(gone.registration) == lease:
+                del self.current[gone.registration]
+        for event in events:
+            self._on_event(event, ended)
+
+    def _on_event(self, event: kv_pb2.Event, ended: set[int]) -> None:
+        kv = event.kv
+        deleted = event.type == kv_pb2.Event.DELETE
+        if kv.key == self.config_key:
+            self._configure(None if deleted else kv.value)
+            return
+        parsed = grammar.parse(kv.key)
+        if parsed is None:
+            return
+        if parsed.kind == "produce" and not deleted:
+            self._move(kv)
+        elif parsed.kind == "consume":
+            registration = bytes(kv.key)
+            if deleted:
+                self._give_back(registration)
+            else:
+                self.held.setdefault(registration, set())
+        elif parsed.kind == "delivery" and deleted:
+            registration = grammar.consumer_key(self.spelling, self.name, parsed.consumer)
+            if self.holder.get(parsed.idx) != registration:
+                return
+            if self.delivery_lease.get(parsed.idx) in ended:
+                self._failed(parsed.idx)  # its lease ended: taken back
+            else:
+                self._acknowledged(parsed.idx)
+        elif parsed.kind == "message" and deleted:
+            # a client deleted it (a cancel) or its lease expired: a put of it
+            # still waiting in our ops would bring it back
+            self.ops = [op for op in self.ops if op.request_put.key != kv.key]
+            self._acknowledged(parsed.idx, message_gone=True)
+
+    def _acknowledged(self, idx: int, message_gone: bool = False) -> None:
+        message = self.messages.pop(idx, None)
+        registration = self._release(idx)
+        if message is None:
+            return
+        if not message_gone:
+            self.ops.append(delete_op(self._message_key(idx, message)))
+        elif registration is not None:
+            self.ops.append(delete_op(self._delivery_key(registration, idx, message.key)))
+
+    async def _lease_for(self, registration: bytes) -> int:
+        """The delivery lease of `registration`'s next hand-outs (0: none, no deadline)."""
+        deadline = self.settings.ack_deadline
+        if not deadline:
+            return 0
+        now = time.monotonic()
+        lease = self.current.get(registration)
+        if lease is not None and now - self.leases[lease].granted < LEASE_REUSE:
+            return lease
+        ttl = math.ceil(deadline + LEASE_REUSE)
+        lease = await self.session.grant(ttl)
+        self.leases[lease] = _DeliveryLease(registration, now, set())
+        self.current[registration] = lease
+        self.ops.append(put_op(b"%s%x" % (self.lease_prefix, lease), registration, lease))
+        return lease
+
+    async def _hand_out(self) -> None:
+        prefetch = self.settings.prefetch
+        consumers = [r for r, held in self.held.items() if len(held) < prefetch]
+        if not consumers:
+            return
+        chosen: list[tuple[bytes, int]] = []
+        for idx in self.messages:
+            if idx in self.holder:
+                continue
+            if not consumers:
+                break
+            self.turn %= len(consumers)
+            registration = consumers[self.turn]
+            held = self.held[registration]
+            held.add(idx)
+            if len(held) >= prefetch:
+                consumers.pop(self.turn)  # full: the next one takes the turn
+            else:
+                self.turn += 1
+            self.holder[idx] = registration
+            chosen.append((registration, idx))
+        for registration, idx in chosen:
+            message = self.messages[idx]
+            lease = await self._lease_for(registration) or message.lease
+            if lease != message.lease:
+                self.delivery_lease[idx] = lease
+                self.leases[lease].idxs.add(idx)
+            key = self._delivery_key(registration, idx, message.key)
+            self.ops.append(put_op(key, message.value, lease))
+
+    async def _flush(self) -> bool:
+        """Send what the state changes need, guarded; False when deposed."""
+        if not self.ops:
+            return True
+        ops, self.ops = self.ops, []
+        guard = rpc_pb2.Compare(
+            key=self.registry,
+            target=rpc_pb2.Compare.VALUE,
+            result=rpc_pb2.Compare.EQUAL,
+            value=self.session.front_id,
+        )
+        for chunk in _chunks(ops):
+            chunk.append(put_op(self.meta_key, b"%d" % self.next_idx))
+            reply = await self.session.txn(rpc_pb2.TxnRequest(compare=[guard], success=chunk))
+            if not reply.succeeded:
+                log.warning("queue %s: no longer dispatching", grammar.show(self.registry))
+                return False
+            self.ours.add(reply.header.revision)
+            if len(self.ours) > 4096:
+                self.ours = {r for r in self.ours if r > reply.header.revision - 2048}
+        return True
+
+
+def _chunks(ops: list[rpc_pb2.RequestOp]) -> list[list[rpc_pb2.RequestOp]]:
+    """`ops` in order, cut into Txns etcd takes: fewer than MAX_TXN_OPS each
+    (one is left for the meta key), and a new Txn wherever a key would be put
+    twice, or put and deleted, in one (etcd refuses those: "duplicate key given
+    in txn request"). Two produces or dead letters of one `{key}` can meet so."""
+    out: list[list[rpc_pb2.RequestOp]] = []
+    chunk: list[rpc_pb2.RequestOp] = []
+    puts: set[bytes] = set()
+    deletes: set[bytes] = set()
+    for op in ops:
+        put = op.HasField("request_put")
+        key = op.request_put.key if put else op.request_delete_range.key
+        if len(chunk) >= MAX_TXN_OPS - 1 or key in puts or (put and key in deletes):
+            out.append(chunk)
+            chunk, puts, deletes = [], set(), set()
+        chunk.append(op)
+        (puts if put else deletes).add(key)
+    if chunk:
+        out.append(chunk)
+    return out

@@ -1,0 +1,137 @@
+"""A front's own presence in the backend etcd: its id, its session lease kept
+alive, and the calls the queues make to etcd on the front's behalf.
+
+What belongs here: `FrontSession`. A front's consumer registrations and the
+registry keys of the queues it dispatches are on its session lease, so etcd
+deletes them when the front dies; the queues' hot calls (Txn, LeaseGrant) go
+over the front's own HTTP/2 client (`h2_client.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+
+from grpc import aio
+
+from etcdserverpb import rpc_pb2, rpc_pb2_grpc
+from queue_server.front.h2_client import CallError
+from queue_server.front.upstream import Upstream
+from queue_server.transport.status import Status
+
+log = logging.getLogger(__name__)
+
+SESSION_TTL = 2
+"""Seconds of the front's session lease: a dead front's consumers and queues are
+taken over this long after its last keepalive. 2 s is the shortest etcd grants
+with its default timing (its minimum TTL is 1.5 election timeouts, rounded up)."""
+KEEPALIVE_SECONDS = 0.5
+RETRY_SECONDS = 0.5
+CALL_TIMEOUT = 5.0
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The range_end of a prefix watch or range of `prefix`."""
+    return prefix[:-1] + bytes([prefix[-1] + 1])
+
+
+def put_op(key: bytes, value: bytes = b"", lease: int = 0) -> rpc_pb2.RequestOp:
+    return rpc_pb2.RequestOp(request_put=rpc_pb2.PutRequest(key=key, value=value, lease=lease))
+
+
+def delete_op(key: bytes) -> rpc_pb2.RequestOp:
+    return rpc_pb2.RequestOp(request_delete_range=rpc_pb2.DeleteRangeRequest(key=key))
+
+
+class FrontSession:
+    """This front's id and session lease in the backend."""
+
+    def __init__(self, upstream: Upstream) -> None:
+        self.upstream = upstream
+        self.front_id = uuid.uuid4().hex.encode()
+        self.lease = 0
+        self.kv = rpc_pb2_grpc.KVStub(upstream.channel)
+        self.leases = rpc_pb2_grpc.LeaseStub(upstream.channel)
+        self.watches = rpc_pb2_grpc.WatchStub(upstream.channel)
+        self._ready = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def metadata(self) -> tuple[tuple[str, str], ...]:
+        return await self.upstream.own_metadata()
+
+    async def txn(self, request: rpc_pb2.TxnRequest) -> rpc_pb2.TxnResponse:
+        """A Txn over the front's own HTTP/2 client (the dispatcher's hot call:
+        grpcio's costs several times as much CPU)."""
+        reply = await self.upstream.unary.call(
+            "/etcdserverpb.KV/Txn",
+            request.SerializeToString(),
+            await self.metadata(),
+            CALL_TIMEOUT,
+        )
+        return rpc_pb2.TxnResponse.FromString(reply)
+
+    async def grant(self, ttl: int) -> int:
+        """A new lease of `ttl` seconds (a delivery lease): its ID."""
+        reply = await self.upstream.unary.call(
+            "/etcdserverpb.Lease/LeaseGrant",
+            rpc_pb2.LeaseGrantRequest(TTL=ttl).SerializeToString(),
+            await self.metadata(),
+            CALL_TIMEOUT,
+        )
+        granted = rpc_pb2.LeaseGrantResponse.FromString(reply)
+        if granted.error:
+            raise CallError(Status.UNKNOWN, granted.error)
+        return int(granted.ID)
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._keep())
+
+    async def ready(self) -> int:
+        """The session lease, granted at the first need: a front whose clients
+        use no queue writes nothing to etcd of its own."""
+        if self._task is None:
+            self.start()
+        await self._ready.wait()
+        return self.lease
+
+    async def _keep(self) -> None:
+        while True:
+            try:
+                granted = await self.leases.LeaseGrant(
+                    rpc_pb2.LeaseGrantRequest(TTL=SESSION_TTL),
+                    metadata=await self.metadata(),
+                    timeout=CALL_TIMEOUT,
+                )
+                self.lease = granted.ID
+                self._ready.set()
+                log.info("front session lease=%x front=%s", self.lease, self.front_id.decode())
+                await self._keep_alive()
+            except aio.AioRpcError as e:
+                log.warning("front session lost, renewing: %s", e.details())
+            self._ready.clear()
+            await asyncio.sleep(RETRY_SECONDS)
+
+    async def _keep_alive(self) -> None:
+        stream = self.leases.LeaseKeepAlive(metadata=await self.metadata())
+        try:
+            while True:
+                await stream.write(rpc_pb2.LeaseKeepAliveRequest(ID=self.lease))
+                reply = await stream.read()
+                if not isinstance(reply, rpc_pb2.LeaseKeepAliveResponse) or reply.TTL <= 0:
+                    return  # expired: a new lease, a new registration of everything
+                await asyncio.sleep(KEEPALIVE_SECONDS)
+        finally:
+            stream.cancel()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        if self.lease:
+            with contextlib.suppress(aio.AioRpcError):
+                await self.leases.LeaseRevoke(
+                    rpc_pb2.LeaseRevokeRequest(ID=self.lease),
+                    metadata=await self.metadata(),
+                    timeout=1.0,
+                )
