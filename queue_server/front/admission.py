@@ -2,23 +2,40 @@
 queue configs the embedded server refuses before proposing, refused the same
 way here, so a broken one never reaches etcd.
 
-What belongs here: `check_put` and `check_txn`, on a request's bytes as they
-came. A request that names no queue key is never parsed (a bytes search for
-the queue prefixes decides), so plain KV traffic pays for a scan and nothing
-more. etcd's own checks of a request (an empty key, too many ops, overlapping
-puts) stay etcd's: a Txn that etcd would refuse anyway is forwarded, so its
-error comes from etcd, as it would embedded, where etcd's checks come first.
+What belongs here: `Admission`, whose `check_put` and `check_txn` take a
+request's bytes as they came. A request that names no queue key is never parsed
+(a bytes search for the queue prefixes decides), so plain KV traffic pays for a
+scan and nothing more. etcd's own checks of a request (an empty key, too many
+ops, overlapping puts) stay etcd's: a Txn that etcd would refuse anyway is
+forwarded, so its error comes from etcd, as it would embedded, where etcd's
+checks come first.
+
+A produce into a queue whose settings have a `max_depth` is refused with the
+embedded server's `QueueFull` when the queue holds that many messages: its
+message keys and its producer keys not moved yet, counted in etcd at the
+produce. A queue's settings are read from etcd at most once a `SETTINGS_TTL`,
+in the same Txn as the counts, so a queue without a limit costs one read a
+second per front, and a limited one a read per produce. As embedded, the
+produces of one Txn count against the depth before it; and as the count and the
+put are two calls, concurrent producers on several fronts can pass the limit by
+as many produces as are in flight.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 from etcdserverpb import rpc_pb2
 from queue_server.errors import EtcdError
+from queue_server.front.session import FrontSession, prefix_end
 from queue_server.keyspace import grammar
 from queue_server.keyspace.config import ConfigFields, invalid, parse_config
 from queue_server.kv import validation
-from queue_server.mq.state import QueueSettings
+from queue_server.mq.state import QueueFull, QueueSettings
 
+SETTINGS_TTL = 1.0
+"""Seconds a front trusts what it read of a queue's settings."""
 UNCHECKED_TXN_OPS = 1 << 30
 """The op limit of our reading of etcd's Txn checks: the limit is etcd's own
 (its --max-txn-ops), and it answers a Txn over it itself."""
@@ -48,22 +65,90 @@ def check_queue_write(key: bytes, value: bytes) -> None:
     QueueSettings.of(fields)
 
 
-def check_put(data: bytes) -> None:
-    """Refuse a serialized PutRequest as the embedded server would (an EtcdError)."""
-    if not _names_a_queue(data):
-        return
-    request = rpc_pb2.PutRequest.FromString(data)
-    check_queue_write(request.key, request.value)
+def _produced(request: rpc_pb2.TxnRequest | rpc_pb2.PutRequest) -> list[grammar.QueueKey]:
+    """The produces a request makes (a Txn's in both branches, nested ones too)."""
+    if isinstance(request, rpc_pb2.PutRequest):
+        parsed = grammar.parse(request.key)
+        return [parsed] if parsed is not None and parsed.kind == "produce" else []
+    out: list[grammar.QueueKey] = []
+    for op in (*request.success, *request.failure):
+        if op.HasField("request_put"):
+            out.extend(_produced(op.request_put))
+        elif op.HasField("request_txn"):
+            out.extend(_produced(op.request_txn))
+    return out
 
 
-def check_txn(data: bytes) -> None:
-    """Refuse a serialized TxnRequest whose puts (in either branch, nested ones
-    too) the embedded server would refuse, unless etcd refuses it first."""
-    if not _names_a_queue(data):
-        return
-    request = rpc_pb2.TxnRequest.FromString(data)
-    try:
-        validation.check_txn(request, UNCHECKED_TXN_OPS)
-    except EtcdError:
-        return  # etcd's own refusal: etcd answers it
-    validation.check_txn(request, UNCHECKED_TXN_OPS, check_queue_write)
+@dataclass(slots=True)
+class _Known:
+    max_depth: int
+    until: float
+
+
+class Admission:
+    """A front's checks of the writes it forwards (module docstring)."""
+
+    def __init__(self, session: FrontSession) -> None:
+        self.session = session
+        self.known: dict[bytes, _Known] = {}
+        """Registry key -> its max_depth, as last read."""
+
+    async def check_put(self, data: bytes) -> None:
+        """Refuse a serialized PutRequest as the embedded server would (an EtcdError)."""
+        if not _names_a_queue(data):
+            return
+        request = rpc_pb2.PutRequest.FromString(data)
+        check_queue_write(request.key, request.value)
+        await self._check_depths(_produced(request))
+
+    async def check_txn(self, data: bytes) -> None:
+        """Refuse a serialized TxnRequest whose puts (in either branch, nested ones
+        too) the embedded server would refuse, unless etcd refuses it first."""
+        if not _names_a_queue(data):
+            return
+        request = rpc_pb2.TxnRequest.FromString(data)
+        try:
+            validation.check_txn(request, UNCHECKED_TXN_OPS)
+        except EtcdError:
+            return  # etcd's own refusal: etcd answers it
+        validation.check_txn(request, UNCHECKED_TXN_OPS, check_queue_write)
+        await self._check_depths(_produced(request))
+
+    async def _check_depths(self, produces: list[grammar.QueueKey]) -> None:
+        counted: dict[bytes, tuple[grammar.QueueKey, int]] = {}
+        for qk in produces:
+            registry = grammar.registry_key(qk.spelling, qk.name)
+            counted[registry] = (qk, counted[registry][1] + 1 if registry in counted else 1)
+        for registry, (qk, produced) in counted.items():
+            known = self.known.get(registry)
+            if known is not None and known.until > time.monotonic() and not known.max_depth:
+                continue  # no limit, as read a moment ago
+            depth, max_depth = await self._read(qk)
+            if max_depth and depth + produced > max_depth:
+                raise QueueFull(
+                    f"etcdserver: queue {grammar.show(qk.name)} is full (max_depth {max_depth})"
+                )
+
+    async def _read(self, qk: grammar.QueueKey) -> tuple[int, int]:
+        """The queue's depth in etcd and its max_depth, in one read Txn."""
+        registry = grammar.registry_key(qk.spelling, qk.name)
+        config_key = grammar.config_key(qk.spelling, qk.name)
+        producers = grammar.producer_key(qk.spelling, qk.name, b"")
+        reads = [rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=config_key))]
+        for key, end in ((registry + b"/0", registry + b"/:"), (producers, prefix_end(producers))):
+            reads.append(
+                rpc_pb2.RequestOp(
+                    request_range=rpc_pb2.RangeRequest(key=key, range_end=end, count_only=True)
+                )
+            )
+        reply = await self.session.txn(rpc_pb2.TxnRequest(success=reads))
+        config = reply.responses[0].response_range.kvs
+        max_depth = 0
+        if config:
+            try:
+                max_depth = QueueSettings.parse(config[0].value, config_key).max_depth
+            except EtcdError:
+                max_depth = 0  # a config written past the fronts' checks: no limit
+        self.known[registry] = _Known(max_depth, time.monotonic() + SETTINGS_TTL)
+        depth = sum(int(r.response_range.count) for r in reply.responses[1:])
+        return depth, max_depth

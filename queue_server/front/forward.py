@@ -18,7 +18,7 @@ a consumer's unregistration.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 from google.protobuf.descriptor import ServiceDescriptor
@@ -27,7 +27,6 @@ from grpc import aio
 
 from etcdserverpb import rpc_pb2, v3election_pb2, v3lock_pb2
 from queue_server.errors import EtcdError
-from queue_server.front import admission
 from queue_server.front.h2_client import CallError
 from queue_server.front.queues import QueueFronts, Refused
 from queue_server.front.upstream import Upstream
@@ -77,24 +76,32 @@ async def _abort_with(call: Call, error: aio.AioRpcError) -> None:
     await call.abort(code, details)
 
 
-CHECKS: dict[str, Callable[[bytes], None]] = {
-    "/etcdserverpb.KV/Put": admission.check_put,
-    "/etcdserverpb.KV/Txn": admission.check_txn,
-}
-"""Requests a front checks before it forwards them: writes of queue keys."""
+Check = Callable[[bytes], Awaitable[None]]
+"""A check of a request's bytes before it is forwarded; raises an EtcdError to refuse it."""
 
 
-def _unary(upstream: Upstream, path: str) -> Handler:
+def _checks(queues: QueueFronts | None) -> dict[str, Check]:
+    """Requests a front checks before it forwards them: writes of queue keys."""
+    if queues is None:
+        return {}
+    return {
+        "/etcdserverpb.KV/Put": queues.admission.check_put,
+        "/etcdserverpb.KV/Txn": queues.admission.check_txn,
+    }
+
+
+def _unary(upstream: Upstream, path: str, check: Check | None = None) -> Handler:
     send = upstream.unary.call
-    check = CHECKS.get(path)
 
     async def handler(request: Any, call: Call) -> bytes:
         data = _as_bytes(request)
         if check is not None:
             try:
-                check(data)
+                await check(data)
             except EtcdError as e:
                 await call.abort(Status[e.code], e.text)
+            except CallError as e:  # the depth could not be read: as etcd's own failure
+                await call.abort(e.code, e.message)
         try:
             return await send(path, data, call.invocation_metadata(), call.time_remaining())
         except CallError as e:
@@ -202,10 +209,14 @@ def forward_methods(upstream: Upstream, queues: QueueFronts | None = None) -> li
     """Every method of `SERVICES`, forwarded to `upstream`; with `queues`, Watch
     lets the queues see consumer watches."""
     methods = []
+    checks = _checks(queues)
     for service in SERVICES:
         for m in service.methods:
             path = f"/{service.full_name}/{m.name}"
-            handler = _handler(upstream, path, m.client_streaming, m.server_streaming)
+            if path in checks:
+                handler = _unary(upstream, path, checks[path])
+            else:
+                handler = _handler(upstream, path, m.client_streaming, m.server_streaming)
             if path == WATCH_PATH and queues is not None:
                 handler = _bidi_stream(upstream, path, queues.watch_tap)
             methods.append(

@@ -14,7 +14,7 @@ what the forwarding asks of the queues, and the consumer side of a front.
 - The front that registers a queue's consumer campaigns to dispatch the queue
   (`dispatcher.py`).
 
-Not yet (issue 24): depth limits, CQS.
+Not yet (issue 24): CQS.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any
 from grpc import aio
 
 from etcdserverpb import rpc_pb2
+from queue_server.front.admission import Admission
 from queue_server.front.dispatcher import Dispatcher
 from queue_server.front.session import CALL_TIMEOUT, FrontSession, delete_op, prefix_end
 from queue_server.front.upstream import Upstream
@@ -89,6 +90,7 @@ class QueueFronts:
 
     def __init__(self, upstream: Upstream) -> None:
         self.session = FrontSession(upstream)
+        self.admission = Admission(self.session)
         self.dispatchers: dict[bytes, Dispatcher] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 

@@ -422,3 +422,37 @@ def test_a_front_refuses_malformed_queue_keys_and_configs(
         # the stream goes on: an ordinary watch on it is created
         assert stream.watch(b"fq-bad-ordinary") >= 0
         stream.close()
+
+
+def test_a_produce_into_a_full_queue_is_refused_until_an_ack_makes_room(
+    cluster: EtcdCluster, fronts: list[FrontProcess]
+) -> None:
+    a, b = fronts
+    name = b"fq-depth"
+    configure(a, name, b'{"max_depth": 3}')
+    for i in range(3):
+        produce(a, name, b"k%d" % i, b"v%d" % i)
+    for front in (a, b):  # either front counts what is in etcd
+        with pytest.raises(grpc.RpcError) as e:
+            produce(front, name, b"k3", b"v3")
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert e.value.details() == "etcdserver: queue fq-depth is full (max_depth 3)"
+    two = rpc_pb2.TxnRequest(
+        success=[
+            rpc_pb2.RequestOp(request_put=rpc_pb2.PutRequest(key=b"/q/fq-depth/p/t%d" % i))
+            for i in range(2)
+        ]
+    )
+    with pytest.raises(grpc.RpcError) as e:
+        kv(a).Txn(two, timeout=WAIT)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    consumer = Consumer(b, name)
+    got = consumer.deliveries(3)
+    assert pending_in_etcd(cluster, name) == 3, "a refused produce wrote nothing"
+    assert ack(a, got[0].key) == 1
+    deadline = time.monotonic() + WAIT
+    while pending_in_etcd(cluster, name) > 2:
+        assert time.monotonic() < deadline, "the ack did not remove the message"
+    produce(a, name, b"k3", b"v3")  # room again
+    assert [kv.value for kv in consumer.deliveries(1)] == [b"v3"]
+    consumer.close()
