@@ -335,6 +335,30 @@ def test_revoked_deliveries_are_counted_and_dead_lettered_at_max_deliveries(
     assert pending_in_etcd(cluster, name) == 0
     with pytest.raises(AssertionError):
         consumer.deliveries(1, timeout=1.0)  # dead: not handed out again
+    # docs/queue.md's redrive, through a front: the dead letter is queued again,
+    # with a fresh count
+    redrive = rpc_pb2.TxnRequest(
+        compare=[
+            rpc_pb2.Compare(
+                key=dead.key,
+                target=rpc_pb2.Compare.CREATE,
+                result=rpc_pb2.Compare.EQUAL,
+                create_revision=dead.create_revision,
+            )
+        ],
+        success=[
+            rpc_pb2.RequestOp(request_delete_range=rpc_pb2.DeleteRangeRequest(key=dead.key)),
+            rpc_pb2.RequestOp(
+                request_put=rpc_pb2.PutRequest(key=b"/q/fq-dead/p/poison", value=dead.value)
+            ),
+        ],
+    )
+    assert kv(a).Txn(redrive, timeout=WAIT).succeeded
+    (back,) = consumer.deliveries(1)
+    assert back.value == b"poison pill" and back.key.endswith(b"/poison")
+    assert message_version(cluster, name, b"poison") == 1
+    assert not kv(b).Txn(redrive, timeout=WAIT).succeeded  # a retried redrive does nothing
+    assert ack(b, back.key) == 1
     consumer.close()
 
 
