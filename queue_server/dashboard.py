@@ -34,7 +34,6 @@ from typing import Any
 from etcdserverpb import internal_pb2, rpc_pb2
 from queue_server.alarms import alarm_name
 from queue_server.apply import StateMachine
-from queue_server.cqs.commands import now_ms
 from queue_server.errors import EtcdError
 from queue_server.mq.redrive import MAX_REDRIVE, RedriveRefused, plan_redrive
 from queue_server.mq.state import QueueInfo
@@ -203,9 +202,7 @@ class Redriver:
     """POST /api/redrive: `{"queue": NAME}` moves all of the queue's pending dead
     letters back onto it, `{"queue": NAME, "count": N}` the N oldest."""
 
-    def __init__(
-        self, state: StateMachine, propose: Propose, wall_ms: Callable[[], int] = now_ms
-    ) -> None:
+    def __init__(self, state: StateMachine, propose: Propose, wall_ms: Callable[[], int]) -> None:
         self.state = state
         self.propose = propose
         self.wall_ms = wall_ms

@@ -368,6 +368,7 @@ class Server:
             self._spawn,
             cfg.cqs_visibility_timeout,
             self.timers.clock,
+            self.timers.wall_ms,
         )
         self.cqs_view = cqs_view
         self.consumers = ConsumerDirectory(
@@ -439,7 +440,13 @@ class Server:
             ),
             (
                 cqs_pb2.DESCRIPTOR.services_by_name["DtoChangeQueueService"],
-                CqsService(self.state, writes, self.cqs_waiters, cfg.cqs_visibility_timeout),
+                CqsService(
+                    self.state,
+                    writes,
+                    self.cqs_waiters,
+                    cfg.cqs_visibility_timeout,
+                    self.timers.wall_ms,
+                ),
             ),
             (v3lock_pb2.DESCRIPTOR.services_by_name["Lock"], LockService(recipes, header, ids)),
             (

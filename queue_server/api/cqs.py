@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import ClassVar
 
 from etcdserverpb import cqs_pb2, cqs_pb2_grpc, internal_pb2, rpc_pb2
@@ -90,11 +90,15 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
         log: Proposer,
         waiters: QueueWaiters,
         visibility_timeout: float,
+        wall_ms: Callable[[], int],
     ) -> None:
         self.state = state
         self.log = log
         self.waiters = waiters
         self.visibility_ms = int(visibility_timeout * 1000)
+        self.wall_ms = wall_ms
+        """The node's wall clock (`Timers.wall_ms`): the stamp of every CQS command,
+        and the time visibility is judged at."""
 
     async def _propose(self, command: internal_pb2.Command, context: Call) -> object:
         return await propose_checked(self.log, command, context)
@@ -166,11 +170,11 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
             if q is None:
                 await self._known(name, context)
                 raise AssertionError("unreachable")
-            now = commands.now_ms()
+            now = self.wall_ms()
             next_visible = q.tree.earliest_visible()
             if len(q.tree) or (next_visible is not None and next_visible <= now):
                 command = commands.dequeue(
-                    name, max_records, request.prefix_depth, self.visibility_ms
+                    name, max_records, request.prefix_depth, self.visibility_ms, now
                 )
                 result = await self._propose(command, context)
                 assert isinstance(result, internal_pb2.CqsDequeueResponse)
@@ -191,7 +195,8 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
     ) -> cqs_pb2.BatchAcknowledgeResponse:
         await self._known(request.queue_name, context)
         if request.ack_tokens:
-            await self._propose(commands.settle(request.queue_name, request.ack_tokens), context)
+            command = commands.settle(request.queue_name, request.ack_tokens, self.wall_ms())
+            await self._propose(command, context)
         return cqs_pb2.BatchAcknowledgeResponse()
 
     # -- ReEnqueue ----------------------------------------------------------------
@@ -214,7 +219,7 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
             name, token = first.header.queue_name, first.header.ack_token
             await self._known(name, context)
             q = self.state.cqs.queues[name]
-            if q.tree.held(token, commands.now_ms()) is None:
+            if q.tree.held(token, self.wall_ms()) is None:
                 await abort(context, TokenNotHeld())
             return await self._split(stream, name, token, context)
         finally:
@@ -236,7 +241,7 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
             c = command.cqs_enqueue
             c.queue, c.original = name, token
             c.items.extend(items)
-            now = commands.now_ms()
+            now = self.wall_ms()
             c.now_ms = now
             since_extend += len(items)
             if not commit and (

@@ -14,7 +14,6 @@ from etcdserverpb import internal_pb2, rpc_pb2, rpc_pb2_grpc
 from queue_server.api.errors import R, abort, propose_or_abort
 from queue_server.api.header import HeaderFiller
 from queue_server.apply import Proposer, StateMachine
-from queue_server.cqs.commands import now_ms
 from queue_server.errors import EtcdError
 from queue_server.kv import validation
 from queue_server.kv.executor import is_read_only
@@ -32,7 +31,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
         log: Proposer,
         header: HeaderFiller,
         max_txn_ops: int,
-        wall_ms: Callable[[], int] = now_ms,
+        wall_ms: Callable[[], int],
     ) -> None:
         self.state = state
         self.log = log

@@ -46,7 +46,7 @@ class VisibilityTimer:
         cqs: CqsState,
         propose: Propose,
         spawn: Spawn,
-        wall_ms: Callable[[], int] = commands.now_ms,
+        wall_ms: Callable[[], int],
         may_propose: Callable[[], bool] | None = None,
     ) -> None:
         self.cqs = cqs

@@ -20,7 +20,6 @@ later is looked at again then: this is the node driver's visibility policy
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -64,9 +63,14 @@ class CqsWatchConsumers:
         propose: Propose,
         spawn: Spawn,
         visibility_timeout: float,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float],
+        wall_ms: Callable[[], int],
     ) -> None:
         self.clock = clock
+        """The node's monotonic clock (`Timers.clock`): when to look at a queue again."""
+        self.wall_ms = wall_ms
+        """The node's wall clock (`Timers.wall_ms`): the stamp of every CQS command,
+        and the time visibility is judged at."""
         self.cqs = cqs
         self._store_of = store_of
         self.propose = propose
@@ -95,7 +99,7 @@ class CqsWatchConsumers:
         if not consumers:
             self.by_queue.pop(c.queue, None)
         if c.held and c.queue in self.cqs.queues:
-            command = commands.settle(c.queue, sorted(c.held), release=True)
+            command = commands.settle(c.queue, sorted(c.held), self.wall_ms(), release=True)
             self.spawn(self._propose_quietly(command))
         return c
 
@@ -130,7 +134,7 @@ class CqsWatchConsumers:
         consumers = self.by_queue.get(queue)
         if q is None or not consumers:
             return False
-        now = commands.now_ms()
+        now = self.wall_ms()
         for c in consumers:
             c.held = {t for t in c.held if q.tree.held(t, now) is not None}
         c = max(consumers, key=lambda c: q.prefetch - len(c.held))
@@ -142,7 +146,7 @@ class CqsWatchConsumers:
             if next_visible is not None:
                 self._wake_at(queue, next_visible - now)
             return False
-        command = commands.dequeue(queue, room, commands.UNGROUPED, self.visibility_ms)
+        command = commands.dequeue(queue, room, commands.UNGROUPED, self.visibility_ms, now)
         try:
             result = await self.propose(command)
         except Exception as e:

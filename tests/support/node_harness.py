@@ -102,7 +102,13 @@ class Node:
             new_lease_id=self.new_lease_id,
         )
         self.cqs_view = CqsWatchConsumers(
-            self.state.cqs, self.store_of, self.log.propose, self.spawn, 60.0, self.clock
+            self.state.cqs,
+            self.store_of,
+            self.log.propose,
+            self.spawn,
+            60.0,
+            self.clock,
+            self.timers.wall_ms,
         )
         self.consumers = ConsumerDirectory(
             self.state.router,

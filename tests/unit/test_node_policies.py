@@ -1,8 +1,9 @@
 """The node's timer policies and the dispatcher's parts, in-process, on a fake clock.
 
-Ack deadlines, stuck consumers and lease expiry are decided by policies that
-read no clock (`due(now)`), driven here by `Timers.run_due` with a `FakeClock`:
-no sleeps, and every step asserts what must and must not have happened yet.
+Ack deadlines, stuck consumers, lease expiry and CQS visibility are decided by
+policies that read no clock (`due(now)`), driven here by `Timers.run_due` with a
+`FakeClock`: no sleeps, and every step asserts what must and must not have
+happened yet. The CQS watch view stamps its commands with the same fake clock.
 """
 
 from __future__ import annotations
@@ -145,6 +146,35 @@ async def test_stuck_consumer_is_dropped_and_its_messages_go_to_another() -> Non
     assert stuck.outbox[-1][0].canceled
     assert [k.rsplit(b"/", 1)[1] for k in delivered_keys(other)] == [b"m1"]
     assert q.consumers[other_id].held and q.redelivered == 1
+
+
+async def test_a_cqs_watch_delivery_comes_back_after_its_visibility_on_the_fake_clock() -> None:
+    node = Node()  # the CQS view's visibility timeout: 60 s
+    config = {"cqs": {"subscriptions": [{"dto_type": "order"}]}}
+    await node.put(b"/q/v/config", json.dumps(config).encode())
+    _cid, key = consumer_key(b"v")
+    stream = node.watch(key)
+    await node.settle()
+    drain(stream)
+    sla = "1970-01-01T00:15:00Z"  # before the fake clock's 1000 s
+    await node.put(
+        b"/q/dto:order/p/k", json.dumps({"dto_id": "t/1", "sla_timestamp": sla}).encode()
+    )
+    await node.settle()
+    (first,) = delivered_keys(stream)
+    dequeues = [
+        c.cqs_dequeue
+        for c in map(internal_pb2.Command.FromString, node.log.entries)
+        if c.WhichOneof("op") == "cqs_dequeue"
+    ]
+    assert [(d.now_ms, d.visible_until_ms) for d in dequeues] == [(1_000_000, 1_060_000)]
+
+    await node.tick(59.9)
+    assert delivered_keys(stream) == []  # still in flight on the fake clock
+    await node.tick(0.2)  # 60.1 s: expired, and the view delivers it again
+    (again,) = delivered_keys(stream)
+    assert again.rsplit(b"/", 2)[1] == first.rsplit(b"/", 2)[1]  # the same seq
+    assert again != first  # under a new ack token
 
 
 async def test_lease_expires_on_the_fake_clock() -> None:
