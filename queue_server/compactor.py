@@ -19,11 +19,11 @@ from __future__ import annotations
 import logging
 import re
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from queue_server.durations import parse_go_duration
+from queue_server.proposals import Spawn
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class CompactionPolicy:
         planner: CompactionPlanner,
         current_revision: Callable[[], int],
         compact: Callable[[int], Awaitable[None]],
-        spawn: Callable[[Coroutine[Any, Any, None]], object],
+        spawn: Spawn,
     ) -> None:
         self.planner = planner
         self.interval = planner.interval

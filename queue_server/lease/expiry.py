@@ -13,8 +13,9 @@ import heapq
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from collections.abc import Awaitable, Callable
+
+from queue_server.proposals import Spawn
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class ExpiryPolicy:
         self,
         clock: ExpiryClock,
         revoke: Callable[[int], Awaitable[None]],
-        spawn: Callable[[Coroutine[Any, Any, None]], object],
+        spawn: Spawn,
     ) -> None:
         self.clock = clock
         self.revoke = revoke

@@ -11,12 +11,13 @@ longer than the TTL), the next registration grants a new one.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from etcdserverpb import internal_pb2, rpc_pb2
 from queue_server.errors import EtcdError
 from queue_server.lease.expiry import ExpiryClock
 from queue_server.lease.lessor import Lessor
+from queue_server.proposals import Propose
 
 SESSION_TTL = 4
 """Seconds a member's consumers outlive it: how soon their messages go to others."""
@@ -27,7 +28,7 @@ class NodeSession:
 
     def __init__(
         self,
-        propose: Callable[[internal_pb2.Command], Awaitable[object]],
+        propose: Propose,
         lessor: Lessor,
         expiry: ExpiryClock,
         new_lease_id: Callable[[], int],
