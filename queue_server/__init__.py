@@ -27,8 +27,9 @@ with no I/O, is a library beside the package and imports nothing from it.
 - `tls.py`      the TLS flags' files -> server contexts and credentials.
 - `config.py`   flags and ETCD_* variables -> one frozen Config.
 - `http_health.py`, `dashboard.py`, `metrics.py` the --listen-metrics-urls
-                listener (/health, /readyz, /livez, /metrics, the dashboard), the
-                dashboard's JSON, history and redrive, the Prometheus registry and its collector.
+                listener (/health, /readyz, /livez, /metrics, the dashboard; its
+                requests read by h11, as the gateway's), the dashboard's JSON,
+                history and redrive, the Prometheus registry and its collector.
 - `queue_stats.py` each queue's figures, for the dashboard and the metrics.
 - `recipes/`    server-side lock and election recipes (an in-process client).
 - `quota.py`    --quota-backend-bytes: the NOSPACE alarm before a write.

@@ -2,8 +2,9 @@
 Prometheus' `/metrics`, and the queue dashboard (`/`, the JSON it polls,
 `/api/state`, and its redrive button's `POST /api/redrive`).
 
-What belongs here: reading one HTTP/1.1 request head, routing it, the health checks
-themselves, encoding the answer, and the asyncio stream servers that carry them.
+What belongs here: the bounds on one HTTP/1.1 request (h11 parses it, as the
+gateway's does on the client port), routing it, the health checks themselves, and
+the asyncio stream servers that carry them.
 It must not import grpc, `queue_server.server` or the `replication` package: the
 server hands in what the checks look at (the alarm table, a leader lookup and the
 linearizable-read barrier of its log, the metrics renderer and the dashboard's
@@ -11,8 +12,9 @@ state snapshot, the redrive), so that the checks run against fakes too.
 
 Theory of operation: a connection carries one request and is closed after the
 answer (`Connection: close`), which every probe client (Docker's healthcheck,
-kubelet, curl, Prometheus) accepts. `parse_head`, `respond` and `encode_response`
-do no I/O; `HealthListener` only moves bytes between them and the sockets.
+kubelet, curl, Prometheus) accepts. `Exchange` (the request's bytes in, the
+answer's bytes out, over an h11 connection) and `respond` do no I/O;
+`HealthListener` only moves bytes between them and the sockets.
 
 `/health` follows etcd 3.5 (server/etcdserver/api/etcdhttp/metrics.go): 200 and
 `{"health":"true","reason":""}`, or 503 and `{"health":"false","reason":...}`
@@ -45,6 +47,8 @@ from importlib import resources
 from typing import Any, ClassVar
 from urllib.parse import parse_qs, urlsplit
 
+import h11
+
 from etcdserverpb import rpc_pb2
 from queue_server.alarms import AlarmTable, alarm_name
 from queue_server.errors import EtcdError, RequestTimeout
@@ -54,6 +58,8 @@ log = logging.getLogger(__name__)
 MAX_HEAD_BYTES = 8 * 1024
 """Longest request line plus headers. A probe sends a few hundred bytes; 8 KiB is
 what common servers allow, and keeps a client from making us buffer more."""
+READ_BYTES = 64 * 1024
+"""What one read from a connection asks for."""
 HEAD_TIMEOUT = 5.0
 """Seconds a client has to send its request head (and body), so an idle or
 trickling connection (slowloris) does not hold a connection slot."""
@@ -100,6 +106,10 @@ class LengthRequired(HttpError):
     status = HTTPStatus.LENGTH_REQUIRED
 
 
+class ClientGone(Exception):
+    """The client closed its side before its request was whole: nothing to answer."""
+
+
 @dataclass(frozen=True, slots=True)
 class Request:
     """The parts of a request head that routing looks at."""
@@ -114,55 +124,137 @@ class Request:
 
 @dataclass(frozen=True, slots=True)
 class Response:
+    """What a route answers: its status, its body and the body's type, and any
+    further headers."""
+
     status: HTTPStatus
     body: bytes
     content_type: str = TEXT
     headers: tuple[tuple[str, str], ...] = ()
 
 
-def parse_head(head: bytes) -> Request:
-    """The request line and headers of a head."""
-    line, _, rest = head.partition(b"\r\n")
-    try:
-        method, target, version = line.decode("ascii").split(" ")
-    except (UnicodeDecodeError, ValueError):
-        raise BadRequest(f"malformed request line {line[:80]!r}") from None
-    if not version.startswith("HTTP/1."):
-        raise BadRequest(f"unsupported version {version!r}")
-    parts = urlsplit(target)
-    if not parts.path.startswith("/"):
-        raise BadRequest(f"malformed target {target[:80]!r}")
-    headers: dict[str, str] = {}
-    for field_line in rest.split(b"\r\n"):
-        name, colon, value = field_line.partition(b":")
-        if colon:
-            headers[name.strip().decode("latin-1").lower()] = value.strip().decode("latin-1")
-    return Request(method, parts.path, parse_qs(parts.query, keep_blank_values=True), headers)
+class Exchange:
+    """One request and its answer on a connection, over h11, with no I/O: `feed`
+    it what the client sends until it returns the request, then `answer`.
+
+    h11 frames the request and checks its syntax (the request line, header
+    fields, Host, Content-Length and chunked bodies); the bounds are ours. h11
+    bounds only a head that has not ended yet, so it is given at most
+    MAX_HEAD_BYTES before the head ends: a longer head is HeadTooLarge however
+    it arrives. A body is read only for a request `takes_body` names (the POST
+    routes): it must be announced (LengthRequired) and at most MAX_BODY_BYTES.
+    """
+
+    def __init__(self, takes_body: Callable[[Request], bool]) -> None:
+        self.takes_body = takes_body
+        self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self._unfed = b""
+        self._head_fed = 0
+        """Bytes given to h11 before the head ended."""
+        self._closed = False
+        self._method = ""
+        self._head: Request | None = None
+        """A request whose body is being read."""
+        self._body = bytearray()
+
+    def feed(self, data: bytes) -> Request | None:
+        """The request once it is whole, None while more must come. `data` is
+        what was read from the client, b"" once it closed its side. Raises
+        HttpError for a request answered with that error's status, ClientGone
+        when the client closed before its request was whole."""
+        if data:
+            self._unfed += data
+        else:
+            self._closed = True
+        try:
+            return self._next()
+        except h11.RemoteProtocolError as e:
+            if self._closed:
+                raise ClientGone() from e
+            raise _H11_ERRORS.get(e.error_status_hint, BadRequest)(str(e)) from e
+
+    def _next(self) -> Request | None:
+        while True:
+            if self._head is None:
+                room = MAX_HEAD_BYTES - self._head_fed
+                chunk, self._unfed = self._unfed[:room], self._unfed[room:]
+                self._head_fed += len(chunk)
+            else:
+                chunk, self._unfed = self._unfed, b""
+            if chunk:
+                self._h11.receive_data(chunk)
+            if self._closed and not self._unfed:
+                self._h11.receive_data(b"")
+            event = self._h11.next_event()
+            if event is h11.NEED_DATA:
+                if self._head is None and self._unfed:
+                    raise HeadTooLarge(f"a request head over {MAX_HEAD_BYTES} bytes")
+                return None
+            if isinstance(event, h11.Request):
+                request = self._request(event)
+                if not self.takes_body(request):
+                    return request
+                self._check_length(request)
+                self._head = request
+            elif isinstance(event, h11.Data):
+                self._body += event.data
+                if len(self._body) > MAX_BODY_BYTES:
+                    raise BodyTooLarge()
+            elif isinstance(event, h11.EndOfMessage):
+                h = self._head
+                assert h is not None  # a body is read only after its head
+                return Request(h.method, h.path, h.query, h.headers, bytes(self._body))
+            elif isinstance(event, h11.ConnectionClosed):
+                raise ClientGone()
+            else:
+                raise AssertionError(f"h11 event out of turn: {event!r}")
+
+    def _request(self, event: h11.Request) -> Request:
+        self._method = event.method.decode("ascii")
+        target = event.target.decode("latin-1")
+        parts = urlsplit(target)
+        if not parts.path.startswith("/"):
+            raise BadRequest(f"malformed target {target[:80]!r}")
+        headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in event.headers}
+        query = parse_qs(parts.query, keep_blank_values=True)
+        return Request(self._method, parts.path, query, headers)
+
+    @staticmethod
+    def _check_length(request: Request) -> None:
+        """A body must be announced, by its length (at most MAX_BODY_BYTES) or
+        as chunked (counted as it comes)."""
+        length = request.headers.get("content-length")
+        if length is None:
+            if "transfer-encoding" not in request.headers:
+                raise LengthRequired()
+        elif int(length) > MAX_BODY_BYTES:  # h11 has checked it is a number
+            raise BodyTooLarge()
+
+    def answer(self, response: Response) -> bytes:
+        """The bytes of `response`, framed by its Content-Length; the connection
+        closes after it. A HEAD request is answered with the headers alone, as
+        Go's server answers it."""
+        status = response.status
+        headers = [
+            ("Content-Type", response.content_type),
+            ("Content-Length", str(len(response.body))),
+            ("Connection", "close"),
+            *response.headers,
+        ]
+        events: list[h11.Event] = [
+            h11.Response(status_code=status.value, reason=status.phrase, headers=headers)
+        ]
+        if self._method != "HEAD":
+            events.append(h11.Data(data=response.body))
+        events.append(h11.EndOfMessage())
+        return b"".join(self._h11.send(event) or b"" for event in events)
 
 
-def body_length(request: Request) -> int:
-    """The Content-Length a request announces (0 without one), within MAX_BODY_BYTES."""
-    text = request.headers.get("content-length")
-    if text is None:
-        if request.method == "POST":
-            raise LengthRequired()
-        return 0
-    if not text.isdigit():
-        raise BadRequest(f"malformed Content-Length {text[:20]!r}")
-    if int(text) > MAX_BODY_BYTES:
-        raise BodyTooLarge()
-    return int(text)
-
-
-def encode_response(response: Response) -> bytes:
-    lines = [
-        f"HTTP/1.1 {response.status.value} {response.status.phrase}",
-        f"Content-Type: {response.content_type}",
-        f"Content-Length: {len(response.body)}",
-        "Connection: close",
-        *(f"{name}: {value}" for name, value in response.headers),
-    ]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii") + response.body
+_H11_ERRORS: Mapping[int, type[HttpError]] = {
+    HTTPStatus.BAD_REQUEST: BadRequest,
+    HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE: HeadTooLarge,
+}
+"""Our error for the status h11 suggests for a request it refuses."""
 
 
 def text_response(status: HTTPStatus, text: str) -> Response:
@@ -349,6 +441,11 @@ POST_ROUTES: Mapping[str, Route] = {
 }
 
 
+def takes_body(request: Request) -> bool:
+    """Whether the route reads the request's body (only a POST route does)."""
+    return request.method == "POST" and request.path in POST_ROUTES
+
+
 async def respond(checker: HealthChecker, request: Request) -> Response:
     """Go's mux answers: 404 for an unknown path, 405 for a method the path does
     not take (GET, or POST for the POST routes)."""
@@ -384,7 +481,7 @@ class HealthListener:
     async def start(self, addresses: Sequence[tuple[str, int]]) -> None:
         for host, port in addresses:
             try:
-                server = await asyncio.start_server(self._serve, host, port, limit=MAX_HEAD_BYTES)
+                server = await asyncio.start_server(self._serve, host, port, limit=READ_BYTES)
             except OSError as e:
                 await self.stop()
                 raise ListenError(f"cannot listen on metrics {host}:{port}: {e.strerror}") from e
@@ -413,9 +510,10 @@ class HealthListener:
             return
         self._connections.add(task)
         try:
-            response = await self._answer(reader)
+            exchange = Exchange(takes_body)
+            response = await self._answer(exchange, reader)
             if response is not None:
-                writer.write(encode_response(response))
+                writer.write(exchange.answer(response))
                 await writer.drain()
         except ConnectionError:
             pass  # the client went away; nothing to tell it
@@ -425,21 +523,15 @@ class HealthListener:
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
 
-    async def _answer(self, reader: asyncio.StreamReader) -> Response | None:
+    async def _answer(self, exchange: Exchange, reader: asyncio.StreamReader) -> Response | None:
         """The response to the connection's request; None when it sent none."""
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT)
-            request = parse_head(head)
-            if request.path in POST_ROUTES and request.method == "POST":
-                length = body_length(request)
-                body = await asyncio.wait_for(reader.readexactly(length), HEAD_TIMEOUT)
-                request = Request(
-                    request.method, request.path, request.query, request.headers, body
-                )
-            return await respond(self.checker, request)
-        except (asyncio.IncompleteReadError, TimeoutError):
+            async with asyncio.timeout(HEAD_TIMEOUT):
+                request = None
+                while request is None:
+                    request = exchange.feed(await reader.read(READ_BYTES))
+        except (ClientGone, TimeoutError):
             return None
-        except asyncio.LimitOverrunError:
-            return text_response(HeadTooLarge.status, HeadTooLarge.status.phrase)
         except HttpError as e:
             return text_response(e.status, e.status.phrase)
+        return await respond(self.checker, request)

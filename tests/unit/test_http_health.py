@@ -1,5 +1,6 @@
-"""Unit tests of the health listener's I/O-free core (parsing, routing, etcd's health
-verdicts on a fake server) and of --listen-metrics-urls / ETCD_LISTEN_METRICS_URLS."""
+"""Unit tests of the health listener's I/O-free core (a request's bytes through
+h11 and its bounds, routing, etcd's health verdicts on a fake server) and of
+--listen-metrics-urls / ETCD_LISTEN_METRICS_URLS."""
 
 from __future__ import annotations
 
@@ -15,16 +16,19 @@ from queue_server.config import ConfigError, parse_config
 from queue_server.errors import RequestTimeout, ServerStopped
 from queue_server.http_health import (
     MAX_BODY_BYTES,
+    MAX_HEAD_BYTES,
     BadRequest,
     BodyTooLarge,
+    ClientGone,
+    Exchange,
+    HeadTooLarge,
     HealthChecker,
+    HttpError,
     LengthRequired,
     Request,
     Response,
-    body_length,
-    encode_response,
-    parse_head,
     respond,
+    takes_body,
 )
 
 pytestmark = pytest.mark.unit
@@ -52,9 +56,19 @@ class FakeServer:
         return HealthChecker(self.alarms, lambda: self.leader, self.linearize, range_timeout=0.05)
 
 
+def read(*chunks: bytes) -> Request:
+    """The request an exchange reads from these chunks, as they arrive."""
+    exchange = Exchange(takes_body)
+    for chunk in chunks:
+        request = exchange.feed(chunk)
+        if request is not None:
+            return request
+    raise AssertionError("the request is not whole")
+
+
 async def ask(fake: FakeServer, target: str, method: str = "GET") -> Response:
     head = f"{method} {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
-    return await respond(fake.checker(), parse_head(head))
+    return await respond(fake.checker(), read(head))
 
 
 def verdict(response: Response) -> dict[str, str]:
@@ -66,27 +80,69 @@ def verdict(response: Response) -> dict[str, str]:
 # -- parsing and encoding ----------------------------------------------------------
 
 
-def test_parse_head_reads_path_and_query() -> None:
-    r = parse_head(b"GET /health?exclude=NOSPACE&exclude=&serializable=true HTTP/1.1\r\nA: b")
+def test_a_request_is_read_as_it_arrives() -> None:
+    r = read(
+        b"GET /health?exclude=NOSPACE&exclude=&serializable=true HTTP/1.1\r\nHo", b"st: x\r\n\r\n"
+    )
     assert r == Request("GET", "/health", {"exclude": ["NOSPACE", ""], "serializable": ["true"]})
-    assert parse_head(b"GET http://h:2381/livez HTTP/1.0").path == "/livez"
+    assert read(b"GET http://h:2381/livez HTTP/1.0\r\n\r\n").path == "/livez"
 
 
 @pytest.mark.parametrize(
     "head",
-    [b"GET /health", b"GET /health HTTP/2", b"GET health HTTP/1.1", b"\xff /health HTTP/1.1"],
+    [
+        b"GET /health\r\n\r\n",
+        b"GET /health HTTP/2\r\nHost: x\r\n\r\n",
+        b"GET health HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"\xff /health HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET /health HTTP/1.1\r\n\r\n",  # HTTP/1.1 without Host, as Go's server refuses it
+        b"GET /health HTTP/1.1\r\nHost x\r\n\r\n",
+    ],
 )
-def test_parse_head_rejects_malformed_request_lines(head: bytes) -> None:
+def test_malformed_requests_are_bad_requests(head: bytes) -> None:
+    exchange = Exchange(takes_body)
     with pytest.raises(BadRequest):
-        parse_head(head)
+        exchange.feed(head)
+    assert exchange.answer(Response(BadRequest.status, b"Bad Request\n")).startswith(
+        b"HTTP/1.1 400 Bad Request\r\n"
+    )
 
 
-def test_encode_response_frames_the_body() -> None:
-    raw = encode_response(Response(HTTPStatus.OK, b"ok", headers=(("Allow", "GET"),)))
+@pytest.mark.parametrize("chunk", [1, 1000, MAX_HEAD_BYTES + 100])
+def test_a_head_over_the_bound_is_refused_however_it_arrives(chunk: int) -> None:
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * MAX_HEAD_BYTES + b"\r\n\r\n"
+    exchange = Exchange(takes_body)
+    with pytest.raises(HeadTooLarge):
+        for i in range(0, len(head), chunk):
+            assert exchange.feed(head[i : i + chunk]) is None
+    # the bound is the head's length: one just within it is read
+    pad = MAX_HEAD_BYTES - len(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: \r\n\r\n")
+    fits = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * pad + b"\r\n\r\n"
+    assert len(fits) == MAX_HEAD_BYTES and read(fits).path == "/health"
+    with pytest.raises(HeadTooLarge):
+        read(fits[:-4] + b"a\r\n\r\n")
+
+
+def test_a_client_that_leaves_before_its_request_is_whole_gets_no_answer() -> None:
+    for sent in (b"", b"GET /heal"):
+        exchange = Exchange(takes_body)
+        assert sent == b"" or exchange.feed(sent) is None
+        with pytest.raises(ClientGone):
+            exchange.feed(b"")
+
+
+def test_an_answer_is_framed_by_its_length_and_closes_the_connection() -> None:
+    exchange = Exchange(takes_body)
+    exchange.feed(b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
+    raw = exchange.answer(Response(HTTPStatus.OK, b"ok", headers=(("Allow", "GET"),)))
     assert raw == (
         b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; charset=utf-8\r\n"
         b"Content-Length: 2\r\nConnection: close\r\nAllow: GET\r\n\r\nok"
     )
+    head = Exchange(takes_body)
+    head.feed(b"HEAD /livez HTTP/1.1\r\nHost: x\r\n\r\n")
+    raw = head.answer(Response(HTTPStatus.OK, b"ok"))
+    assert raw.endswith(b"Content-Length: 2\r\nConnection: close\r\n\r\n")  # no body
 
 
 # -- /health -----------------------------------------------------------------------
@@ -171,18 +227,30 @@ async def test_unknown_path_404_and_other_methods_405() -> None:
 # -- POST /api/redrive ----------------------------------------------------------------
 
 
-def test_parse_head_keeps_headers_and_body_length_is_bounded() -> None:
-    r = parse_head(
-        b"POST /api/redrive HTTP/1.1\r\nContent-Type: application/json\r\ncontent-length: 12"
-    )
-    assert r.headers == {"content-type": "application/json", "content-length": "12"}
-    assert body_length(r) == 12
-    with pytest.raises(LengthRequired):
-        body_length(parse_head(b"POST /api/redrive HTTP/1.1"))
-    with pytest.raises(BodyTooLarge):
-        body_length(parse_head(b"POST /x HTTP/1.1\r\nContent-Length: %d" % (MAX_BODY_BYTES + 1)))
-    with pytest.raises(BadRequest):
-        body_length(parse_head(b"POST /x HTTP/1.1\r\nContent-Length: -1"))
+def test_a_post_routes_body_is_read_whole_and_bounded() -> None:
+    head = b"POST /api/redrive HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    r = read(head + b"content-length: 17\r\n\r\n", b'{"queue": ', b'"jobs"}')
+    assert r.headers["content-type"] == "application/json"
+    assert r.body == b'{"queue": "jobs"}'
+    chunked = read(head + b"Transfer-Encoding: chunked\r\n\r\n4\r\n{}  \r\n0\r\n\r\n")
+    assert chunked.body == b"{}  "
+    # a GET, or a POST elsewhere, is answered at its head: its body is not read
+    assert read(b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 99999\r\n\r\n").body == b""
+
+    refused: list[tuple[bytes, type[HttpError]]] = [
+        (head + b"\r\n", LengthRequired),
+        (head + b"Content-Length: %d\r\n\r\n" % (MAX_BODY_BYTES + 1), BodyTooLarge),
+        (head + b"Content-Length: -1\r\n\r\n", BadRequest),
+        (
+            head
+            + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n" % (MAX_BODY_BYTES + 1)
+            + b"a" * (MAX_BODY_BYTES + 1),
+            BodyTooLarge,
+        ),
+    ]
+    for sent, error in refused:
+        with pytest.raises(error):
+            read(sent)
 
 
 async def test_redrive_takes_only_a_json_object_posted_as_json() -> None:
