@@ -20,7 +20,6 @@ Not yet (issue 24): CQS.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -31,7 +30,14 @@ from grpc import aio
 from etcdserverpb import rpc_pb2
 from queue_server.front.admission import Admission
 from queue_server.front.dispatcher import Dispatcher
-from queue_server.front.session import CALL_TIMEOUT, FrontSession, delete_op, prefix_end
+from queue_server.front.session import (
+    CALL_TIMEOUT,
+    RETRY_SECONDS,
+    FrontSession,
+    delete_op,
+    prefix_end,
+    put_op,
+)
 from queue_server.front.upstream import Upstream
 from queue_server.keyspace import grammar
 
@@ -40,6 +46,11 @@ log = logging.getLogger(__name__)
 REFUSED_WATCH_ID = -1
 """The watch id etcd gives a create its mvcc layer refuses (the embedded
 server's `PROGRESS_WATCH_ID` too)."""
+
+
+UNREGISTER_ATTEMPTS = 60
+"""Tries to delete a gone consumer's registration, RETRY_SECONDS apart: 30 s
+of a backend that does not answer (by then a lost session lease took it)."""
 
 
 class Refused(Exception):
@@ -162,13 +173,31 @@ class QueueFronts:
         state.creating.clear()
 
     async def register(self, registration: bytes, parsed: grammar.QueueKey) -> int:
-        """Write the registration; returns its revision."""
+        """Write the registration; returns its revision.
+
+        A registration still in etcd is an earlier watch of the same consumer
+        whose end was not seen yet (its stream broke with the backend's): it is
+        deleted first, so the dispatcher takes its deliveries back, and this
+        watch, which starts after the new registration, is handed them again."""
         lease = await self.session.ready()
-        reply = await self.session.kv.Put(
-            rpc_pb2.PutRequest(key=registration, value=self.session.front_id, lease=lease),
-            metadata=await self.session.metadata(),
+        metadata = await self.session.metadata()
+        put = put_op(registration, self.session.front_id, lease)
+        absent = rpc_pb2.Compare(
+            key=registration,
+            target=rpc_pb2.Compare.CREATE,
+            result=rpc_pb2.Compare.EQUAL,
+            create_revision=0,
+        )
+        reply = await self.session.kv.Txn(
+            rpc_pb2.TxnRequest(compare=[absent], success=[put], failure=[delete_op(registration)]),
+            metadata=metadata,
             timeout=CALL_TIMEOUT,
         )
+        if not reply.succeeded:
+            log.info("consumer registered again key=%s", grammar.show(registration))
+            reply = await self.session.kv.Txn(
+                rpc_pb2.TxnRequest(success=[put]), metadata=metadata, timeout=CALL_TIMEOUT
+            )
         self.ensure_dispatcher(parsed.spelling, parsed.name)
         return int(reply.header.revision)
 
@@ -181,24 +210,30 @@ class QueueFronts:
             self._spawn(dispatcher.campaign())
 
     async def unregister(self, registration: bytes) -> None:
-        """Delete the registration if it is still this front's."""
+        """Delete the registration if it is still this front's. Retried while
+        the backend does not answer: a registration left behind would keep its
+        deliveries from every other consumer for as long as this front lives."""
         log.info("consumer gone key=%s", grammar.show(registration))
-        with contextlib.suppress(aio.AioRpcError):
-            await self.session.kv.Txn(
-                rpc_pb2.TxnRequest(
-                    compare=[
-                        rpc_pb2.Compare(
-                            key=registration,
-                            target=rpc_pb2.Compare.VALUE,
-                            result=rpc_pb2.Compare.EQUAL,
-                            value=self.session.front_id,
-                        )
-                    ],
-                    success=[delete_op(registration)],
-                ),
-                metadata=await self.session.metadata(),
-                timeout=CALL_TIMEOUT,
-            )
+        request = rpc_pb2.TxnRequest(
+            compare=[
+                rpc_pb2.Compare(
+                    key=registration,
+                    target=rpc_pb2.Compare.VALUE,
+                    result=rpc_pb2.Compare.EQUAL,
+                    value=self.session.front_id,
+                )
+            ],
+            success=[delete_op(registration)],
+        )
+        for _ in range(UNREGISTER_ATTEMPTS):
+            try:
+                await self.session.kv.Txn(
+                    request, metadata=await self.session.metadata(), timeout=CALL_TIMEOUT
+                )
+                return
+            except aio.AioRpcError as e:
+                log.warning("consumer %s not unregistered yet: %s", grammar.show(registration), e)
+            await asyncio.sleep(RETRY_SECONDS)
 
     async def stop(self) -> None:
         for task in list(self._tasks):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -480,3 +481,159 @@ def test_a_produce_into_a_full_queue_is_refused_until_an_ack_makes_room(
     produce(a, name, b"k3", b"v3")  # room again
     assert [kv.value for kv in consumer.deliveries(1)] == [b"v3"]
     consumer.close()
+
+
+# -- failures under load -------------------------------------------------------------
+
+
+class Ledger:
+    """What the chaos test's producer and consumers saw, under one lock."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.produced: set[bytes] = set()
+        """Message keys whose produce etcd acknowledged."""
+        self.received: set[bytes] = set()
+        self.acked: set[bytes] = set()
+        self.holding: dict[bytes, str] = {}
+        """Message key -> the consumer holding it (received, not acked, stream alive)."""
+        self.violations: list[str] = []
+
+
+class ChaosConsumer:
+    """A consumer that acks what it receives and watches again, as a new
+    consumer, whenever its stream ends, until told to stop."""
+
+    def __init__(self, front: FrontProcess, name: bytes, label: str, ledger: Ledger) -> None:
+        self.front, self.name, self.label, self.ledger = front, name, label, ledger
+        self.stopping = threading.Event()
+        self.registered = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + 120
+        while not self.stopping.is_set() and time.monotonic() < deadline:
+            with contextlib.suppress(grpc.RpcError):
+                self._one_stream()
+            self._release()  # the stream ended: the front gives back what it held
+            self.stopping.wait(0.2)
+
+    def _one_stream(self) -> None:
+        with grpc.insecure_channel(self.front.endpoint) as ch:
+            requests: queue.Queue[rpc_pb2.WatchRequest | None] = queue.Queue()
+            create = rpc_pb2.WatchCreateRequest(key=consumer_key(self.name, new_id()))
+            requests.put(rpc_pb2.WatchRequest(create_request=create))
+            call = rpc_pb2_grpc.WatchStub(ch).Watch(iter(requests.get, None), timeout=120)
+            stub = rpc_pb2_grpc.KVStub(ch)
+            try:
+                for response in call:
+                    if response.created and not response.canceled:
+                        self.registered.set()
+                    if response.canceled or self.stopping.is_set():
+                        return
+                    for event in response.events:
+                        self._received(stub, event.kv)
+            finally:
+                requests.put(None)
+                call.cancel()
+
+    def _received(self, stub: rpc_pb2_grpc.KVStub, delivery: kv_pb2.KeyValue) -> None:
+        message = delivery.key.rsplit(b"/", 1)[1]
+        ledger = self.ledger
+        with ledger.lock:
+            other = ledger.holding.get(message)
+            if other is not None and other != self.label:
+                ledger.violations.append(f"{message!r} held by {other} and {self.label}")
+            ledger.holding[message] = self.label
+            ledger.received.add(message)
+        for attempt in range(10):  # etcd may be choosing a leader: retry, bounded
+            try:
+                deleted = stub.DeleteRange(
+                    rpc_pb2.DeleteRangeRequest(key=delivery.key), timeout=5
+                ).deleted
+            except grpc.RpcError:
+                time.sleep(0.3)
+                continue
+            with ledger.lock:
+                if ledger.holding.get(message) == self.label:
+                    del ledger.holding[message]
+                if deleted or attempt:  # a retry finds it gone: the failed try deleted it
+                    ledger.acked.add(message)
+            return
+
+    def _release(self) -> None:
+        with self.ledger.lock:
+            for message in [m for m, who in self.ledger.holding.items() if who == self.label]:
+                del self.ledger.holding[message]
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self._release()
+
+
+def test_nothing_acknowledged_is_lost_when_etcds_leader_and_the_dispatching_front_die(
+    cluster: EtcdCluster, fronts: list[FrontProcess], tmp_path: Path
+) -> None:
+    a, b = fronts
+    producer_front = FrontProcess(tmp_path / "front3.etcd", cluster.endpoints).start()
+    name, count = b"fq-chaos", 300
+    ledger = Ledger()
+    on_a = ChaosConsumer(a, name, "on-a", ledger)
+    assert on_a.registered.wait(WAIT)  # a registers first: a dispatches
+    on_b = ChaosConsumer(b, name, "on-b", ledger)
+    assert on_b.registered.wait(WAIT)
+
+    def produce_all() -> None:
+        stub = kv(producer_front)
+        for i in range(count):
+            key = b"m%03d" % i
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:
+                    stub.Put(rpc_pb2.PutRequest(key=b"/q/%s/p/%s" % (name, key)), timeout=5)
+                except grpc.RpcError:
+                    time.sleep(0.2)
+                    continue
+                with ledger.lock:
+                    ledger.produced.add(key)
+                break
+
+    def produced_at_least(n: int) -> None:
+        deadline = time.monotonic() + 60
+        while len(ledger.produced) < n:
+            assert time.monotonic() < deadline, f"{len(ledger.produced)} of {n} produced"
+            time.sleep(0.02)  # the producer thread's progress: nothing to await
+
+    producer = threading.Thread(target=produce_all, daemon=True)
+    producer.start()
+    leader = cluster.leader()
+    try:
+        produced_at_least(80)
+        cluster.kill(leader)  # SIGKILL etcd's leader mid-stream
+        produced_at_least(160)
+        cluster.restart(leader)
+        produced_at_least(220)
+        on_a.stop()
+        a.kill()  # the dispatching front, and a consumer's front, mid-stream
+        producer.join(90)
+        assert not producer.is_alive()
+        assert ledger.produced == {b"m%03d" % i for i in range(count)}
+        deadline = time.monotonic() + 60
+        while not ledger.produced <= ledger.acked:
+            missing = len(ledger.produced - ledger.acked)
+            assert time.monotonic() < deadline, f"{missing} acknowledged produces never acked"
+            time.sleep(0.05)  # the consumers' progress: nothing to await
+        # every acknowledged produce was delivered, and nothing of the queue is
+        # left in etcd: no message was lost, none is stuck
+        assert ledger.produced <= ledger.received
+        while pending_in_etcd(cluster, name):
+            assert time.monotonic() < deadline, "acked messages left in etcd"
+            time.sleep(0.05)  # the dispatcher's deletes: nothing to await
+    finally:
+        on_a.stop()
+        on_b.stop()
+        producer_front.stop()
+        if cluster.members[leader].proc is None or cluster.members[leader].proc.poll() is not None:
+            cluster.restart(leader)
+    assert ledger.violations == []
