@@ -26,7 +26,7 @@ with no I/O, is a library beside the package and imports nothing from it.
                 and `gateway_routes.py` maps etcd's HTTP/JSON gateway URLs onto it.
 - `tls.py`      the TLS flags' files -> server contexts and credentials.
 - `config.py`   flags and ETCD_* variables -> one frozen Config.
-- `http_health.py`, `dashboard.py`, `metrics.py` the --listen-metrics-urls
+- `metrics_listener.py`, `dashboard.py`, `metrics.py` the --listen-metrics-urls
                 listener (/health, /readyz, /livez, /metrics, the dashboard; its
                 requests read by h11, as the gateway's), the dashboard's JSON,
                 history and redrive, the Prometheus registry and its collector.

@@ -5,7 +5,7 @@ What belongs here: turning the state machine and the member table into what the 
 flight, consumers and their members, counters, oldest pending age, SLA lag,
 settings, dead letters; members and leader; alarms and quota use). The page is a
 static file of the package (`queue_server/static/dashboard.html`, served by
-`http_health.py`): plain HTML, CSS and JavaScript with no build step and nothing
+`metrics_listener.py`): plain HTML, CSS and JavaScript with no build step and nothing
 from a CDN. It polls every second and computes rates from the counters' deltas
 itself.
 

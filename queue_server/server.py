@@ -57,7 +57,12 @@ from queue_server.cqs.visibility import VisibilityTimer
 from queue_server.cqs.watch_view import CqsWatchConsumers
 from queue_server.dashboard import DashboardSource, QueueHistory, Redriver
 from queue_server.errors import EtcdError, LeaseNotFound, ServerStopped
-from queue_server.http_health import (
+from queue_server.lease.expiry import ExpiryClock, ExpiryPolicy
+from queue_server.lease.ids import LeaseIdGenerator
+from queue_server.local_log import BackendBehindLogError, LocalLog
+from queue_server.metrics import Membership as MetricsMembership
+from queue_server.metrics import ServerMetrics, StateCollector
+from queue_server.metrics_listener import (
     TEXT,
     HealthChecker,
     HealthListener,
@@ -65,11 +70,6 @@ from queue_server.http_health import (
     Request,
     respond,
 )
-from queue_server.lease.expiry import ExpiryClock, ExpiryPolicy
-from queue_server.lease.ids import LeaseIdGenerator
-from queue_server.local_log import BackendBehindLogError, LocalLog
-from queue_server.metrics import Membership as MetricsMembership
-from queue_server.metrics import ServerMetrics, StateCollector
 from queue_server.mq.ack_policy import AckPolicy
 from queue_server.mq.delivery import Delivery
 from queue_server.mq.session import NodeSession

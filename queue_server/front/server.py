@@ -31,7 +31,8 @@ from queue_server.front.upstream import (
     UpstreamConfig,
     UpstreamError,
 )
-from queue_server.http_health import (
+from queue_server.metrics import ServerMetrics
+from queue_server.metrics_listener import (
     TEXT,
     HealthChecker,
     HealthListener,
@@ -39,7 +40,6 @@ from queue_server.http_health import (
     Request,
     respond,
 )
-from queue_server.metrics import ServerMetrics
 from queue_server.tls import TLSError, ignored_on_http, server_ssl_context
 from queue_server.transport.grpc_protocol import ConnectionSettings
 from queue_server.transport.h2 import STREAM_CAP, Limits

@@ -14,7 +14,7 @@ from etcdserverpb import rpc_pb2
 from queue_server.alarms import AlarmTable
 from queue_server.config import ConfigError, parse_config
 from queue_server.errors import RequestTimeout, ServerStopped
-from queue_server.http_health import (
+from queue_server.metrics_listener import (
     MAX_BODY_BYTES,
     MAX_HEAD_BYTES,
     BadRequest,
