@@ -48,9 +48,9 @@ REFUSED_WATCH_ID = -1
 server's `PROGRESS_WATCH_ID` too)."""
 
 
-UNREGISTER_ATTEMPTS = 60
-"""Tries to delete a gone consumer's registration, RETRY_SECONDS apart: 30 s
-of a backend that does not answer (by then a lost session lease took it)."""
+RETRY_ATTEMPTS = 60
+"""Tries to write or delete a consumer's registration, RETRY_SECONDS apart: 30 s
+of a backend that does not answer."""
 
 
 class Refused(Exception):
@@ -101,7 +101,10 @@ class QueueFronts:
 
     def __init__(self, upstream: Upstream) -> None:
         self.session = FrontSession(upstream)
+        self.session.renewed.append(self._register_again)
         self.admission = Admission(self.session)
+        self.live: dict[bytes, grammar.QueueKey] = {}
+        """The registrations of this front's consumer watches."""
         self.dispatchers: dict[bytes, Dispatcher] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -198,8 +201,31 @@ class QueueFronts:
             reply = await self.session.kv.Txn(
                 rpc_pb2.TxnRequest(success=[put]), metadata=metadata, timeout=CALL_TIMEOUT
             )
+        self.live[registration] = parsed
         self.ensure_dispatcher(parsed.spelling, parsed.name)
         return int(reply.header.revision)
+
+    def _register_again(self) -> None:
+        """The session lease expired (etcd did not hear from this front for its
+        TTL), and with it every registration: the dispatchers have taken their
+        deliveries back. The watches are still open, so register them again on
+        the new lease, and they are handed messages again."""
+        for registration, parsed in list(self.live.items()):
+            log.info("consumer registered again key=%s", grammar.show(registration))
+            self._spawn(self._reregister(registration, parsed))
+
+    async def _reregister(self, registration: bytes, parsed: grammar.QueueKey) -> None:
+        for _ in range(RETRY_ATTEMPTS):
+            if registration not in self.live:
+                return  # its watch ended meanwhile
+            try:
+                await self.register(registration, parsed)
+                return
+            except aio.AioRpcError as e:
+                log.warning(
+                    "consumer %s not registered again yet: %s", grammar.show(registration), e
+                )
+            await asyncio.sleep(RETRY_SECONDS)
 
     def ensure_dispatcher(self, spelling: bytes, name: bytes) -> None:
         """Campaign to dispatch the queue `name`, unless this front already does."""
@@ -214,6 +240,7 @@ class QueueFronts:
         the backend does not answer: a registration left behind would keep its
         deliveries from every other consumer for as long as this front lives."""
         log.info("consumer gone key=%s", grammar.show(registration))
+        self.live.pop(registration, None)
         request = rpc_pb2.TxnRequest(
             compare=[
                 rpc_pb2.Compare(
@@ -225,7 +252,7 @@ class QueueFronts:
             ],
             success=[delete_op(registration)],
         )
-        for _ in range(UNREGISTER_ATTEMPTS):
+        for _ in range(RETRY_ATTEMPTS):
             try:
                 await self.session.kv.Txn(
                     request, metadata=await self.session.metadata(), timeout=CALL_TIMEOUT

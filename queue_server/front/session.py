@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections.abc import Callable
 
 from grpc import aio
 
@@ -56,6 +57,9 @@ class FrontSession:
         self.leases = rpc_pb2_grpc.LeaseStub(upstream.channel)
         self.watches = rpc_pb2_grpc.WatchStub(upstream.channel)
         self._ready = asyncio.Event()
+        self._granted = False
+        self.renewed: list[Callable[[], None]] = []
+        """Called when an expired session lease has been replaced."""
         self._task: asyncio.Task[None] | None = None
 
     async def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -97,30 +101,47 @@ class FrontSession:
         return self.lease
 
     async def _keep(self) -> None:
+        """Grant the session lease, and keep it alive for as long as etcd has it.
+        A keepalive stream that breaks (the member it went to died) is opened
+        again for the same lease, which etcd keeps until its TTL passes. Only a
+        lease etcd says is gone is replaced, and then `renewed` is called: what
+        was on the old lease went with it."""
         while True:
             try:
-                granted = await self.leases.LeaseGrant(
-                    rpc_pb2.LeaseGrantRequest(TTL=SESSION_TTL),
-                    metadata=await self.metadata(),
-                    timeout=CALL_TIMEOUT,
-                )
-                self.lease = granted.ID
-                self._ready.set()
-                log.info("front session lease=%x front=%s", self.lease, self.front_id.decode())
-                await self._keep_alive()
+                if not self.lease:
+                    granted = await self.leases.LeaseGrant(
+                        rpc_pb2.LeaseGrantRequest(TTL=SESSION_TTL),
+                        metadata=await self.metadata(),
+                        timeout=CALL_TIMEOUT,
+                    )
+                    self.lease = granted.ID
+                    self._ready.set()
+                    log.info("front session lease=%x front=%s", self.lease, self.front_id.decode())
+                    if self._granted:
+                        for renewed in self.renewed:
+                            renewed()
+                    self._granted = True
+                if await self._keep_alive():
+                    log.warning("front session lease=%x expired, renewing", self.lease)
+                    self.lease = 0
+                    self._ready.clear()
+                    continue
             except aio.AioRpcError as e:
-                log.warning("front session lost, renewing: %s", e.details())
-            self._ready.clear()
+                log.warning("front session keepalive interrupted, again: %s", e.details())
             await asyncio.sleep(RETRY_SECONDS)
 
-    async def _keep_alive(self) -> None:
+    async def _keep_alive(self) -> bool:
+        """Keep the lease alive until the stream ends (False) or etcd says the
+        lease has expired (True)."""
         stream = self.leases.LeaseKeepAlive(metadata=await self.metadata())
         try:
             while True:
                 await stream.write(rpc_pb2.LeaseKeepAliveRequest(ID=self.lease))
                 reply = await stream.read()
-                if not isinstance(reply, rpc_pb2.LeaseKeepAliveResponse) or reply.TTL <= 0:
-                    return  # expired: a new lease, a new registration of everything
+                if not isinstance(reply, rpc_pb2.LeaseKeepAliveResponse):
+                    return False  # grpc.aio.EOF: the stream ended, the lease may live
+                if reply.TTL <= 0:
+                    return True
                 await asyncio.sleep(KEEPALIVE_SECONDS)
         finally:
             stream.cancel()

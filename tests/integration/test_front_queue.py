@@ -637,3 +637,43 @@ def test_nothing_acknowledged_is_lost_when_etcds_leader_and_the_dispatching_fron
         if cluster.members[leader].proc is None or cluster.members[leader].proc.poll() is not None:
             cluster.restart(leader)
     assert ledger.violations == []
+
+
+def test_a_front_whose_session_lease_expired_registers_its_consumers_again(
+    cluster: EtcdCluster, fronts: list[FrontProcess]
+) -> None:
+    a, b = fronts
+    name = b"fq-session"
+    consumer = Consumer(b, name)
+    produce(a, name, b"first", b"first")
+    (held,) = consumer.deliveries(1)
+    with grpc.insecure_channel(cluster.endpoints[0]) as ch:
+        stub = rpc_pb2_grpc.KVStub(ch)
+        (reg,) = stub.Range(rpc_pb2.RangeRequest(key=consumer.registration), timeout=WAIT).kvs
+        # what etcd does when it has not heard from a front for its session's
+        # TTL: the lease ends, and the registration with it
+        rpc_pb2_grpc.LeaseStub(ch).LeaseRevoke(
+            rpc_pb2.LeaseRevokeRequest(ID=reg.lease), timeout=WAIT
+        )
+        deadline = time.monotonic() + WAIT
+        while True:  # the front registers its consumer again, on a new session lease
+            now = stub.Range(rpc_pb2.RangeRequest(key=consumer.registration), timeout=WAIT).kvs
+            if now and now[0].lease != reg.lease:
+                break
+            assert time.monotonic() < deadline, "the consumer was not registered again"
+            time.sleep(0.05)  # polling etcd itself: there is no event to await
+    produce(a, name, b"second", b"second")
+    # the watch goes on: "second" arrives, and "first" is either still held (its
+    # delivery key acks it) or was given back and is handed out again
+    got = consumer.deliveries(1)
+    if got[0].value == b"first":
+        got += consumer.deliveries(1)
+    else:
+        assert ack(a, held.key) == 1
+    assert got[-1].value == b"second"
+    for kv_ in got:
+        assert ack(a, kv_.key) == 1
+    deadline = time.monotonic() + WAIT
+    while pending_in_etcd(cluster, name):
+        assert time.monotonic() < deadline, "acked messages were not removed"
+    consumer.close()
