@@ -46,6 +46,7 @@ from sortedcontainers import SortedDict
 from etcdserverpb import kv_pb2, rpc_pb2
 from queue_server.errors import EtcdError
 from queue_server.front.h2_client import CallError
+from queue_server.front.liveness import watch_front
 from queue_server.front.session import (
     CALL_TIMEOUT,
     RETRY_SECONDS,
@@ -116,6 +117,8 @@ class Dispatcher:
         self.meta_key = self.registry + b"/meta"
         self.config_key = grammar.config_key(spelling, name)
         self.lease_prefix = self.prefix + LEASE_WORD + b"/"
+        self.probes: dict[bytes, asyncio.Future[None]] = {}
+        """Front id -> the watch for its death, for the fronts of our consumers."""
         self.reset()
 
     def reset(self) -> None:
@@ -165,9 +168,16 @@ class Dispatcher:
                 )
                 if won.succeeded or holder == self.session.front_id:
                     log.info("dispatching queue=%s", grammar.show(self.registry))
-                    await self.dispatch()
+                    try:
+                        await self.dispatch()
+                    finally:
+                        for probe in self.probes.values():
+                            probe.cancel()
+                        self.probes.clear()
                 else:
-                    await self._wait_for_vacancy(won.header.revision)
+                    held = won.responses[0].response_range.kvs[0]
+                    await self._wait_for_vacancy(won.header.revision, held)
+                    continue  # vacant: campaign at once
             except aio.AioRpcError as e:
                 log.warning("queue %s: %s", grammar.show(self.registry), e.details())
             except CallError as e:
@@ -176,11 +186,35 @@ class Dispatcher:
                 log.exception("queue %s: dispatcher failed", grammar.show(self.registry))
             await asyncio.sleep(RETRY_SECONDS)
 
-    async def _wait_for_vacancy(self, revision: int) -> None:
-        """Until the registry key is deleted (its holder's lease expired)."""
-        async for events in self._watch(self.registry, b"", revision + 1):
-            if any(event.type == kv_pb2.Event.DELETE for event in events):
-                return
+    async def _wait_for_vacancy(self, revision: int, held: kv_pb2.KeyValue) -> None:
+        """Until the registry key is deleted: its holder's lease expired, or the
+        holder was seen dead (`liveness.py`) and its lease revoked."""
+        probe = asyncio.ensure_future(self._watch_front(held.value, held.lease))
+        try:
+            async for events in self._watch(self.registry, b"", revision + 1):
+                if any(event.type == kv_pb2.Event.DELETE for event in events):
+                    return
+        finally:
+            probe.cancel()
+
+    async def _watch_front(self, front: bytes, lease: int) -> None:
+        """Revoke `lease` when the front named `front` is seen dead."""
+        _, at, address = front.partition(b"@")
+        if not at or front == self.session.front_id:
+            return
+
+        async def revoke() -> None:
+            with contextlib.suppress(CallError):
+                await self.session.revoke(lease)
+
+        await watch_front(address, revoke)
+
+    def _watch_consumer_front(self, kv: kv_pb2.KeyValue) -> None:
+        """Watch the front of a registration `kv` for its death (once per front)."""
+        if kv.value != self.session.front_id and kv.value not in self.probes:
+            self.probes[bytes(kv.value)] = asyncio.ensure_future(
+                self._watch_front(kv.value, kv.lease)
+            )
 
     async def _watch(
         self, key: bytes, range_end: bytes, start: int
@@ -290,6 +324,7 @@ class Dispatcher:
             self.next_idx = max(self.next_idx, parsed.idx + 1)
         elif parsed.kind == "consume":
             self.held.setdefault(bytes(kv.key), set())
+            self._watch_consumer_front(kv)
         elif parsed.kind == "delivery":
             # keys sort message keys ("0".."9") before registrations ("c/{uuid}")
             # before their deliveries ("c/{uuid}/..."): both are known by now
@@ -415,6 +450,7 @@ class Dispatcher:
                 self._give_back(registration)
             else:
                 self.held.setdefault(registration, set())
+                self._watch_consumer_front(kv)
         elif parsed.kind == "delivery" and deleted:
             registration = grammar.consumer_key(self.spelling, self.name, parsed.consumer)
             if self.holder.get(parsed.idx) != registration:

@@ -124,9 +124,12 @@ class FrontServer:
             host, _, port = url_to_address(url).rpartition(":")
             context = client_tls if secure_url(url) else None
             try:
-                self.bound_ports.append(await self.native.listen(host, int(port), context))
+                bound = await self.native.listen(host, int(port), context)
             except OSError as e:
                 raise FrontStartError(f"cannot listen on {host}:{port}: {e.strerror}") from e
+            if not self.bound_ports:
+                self.queues.session.advertise(self._reachable_at(host, bound))
+            self.bound_ports.append(bound)
         self.health = HealthListener(
             HealthChecker(
                 AlarmTable(),
@@ -171,6 +174,13 @@ class FrontServer:
             if e.code() == grpc.StatusCode.PERMISSION_DENIED:
                 return  # etcd's own check counts a permission error as healthy
             raise BackendUnavailable(f"{BackendUnavailable.message}: {e.details()}") from None
+
+    def _reachable_at(self, host: str, port: int) -> str:
+        """Where other fronts reach this one's first client port: its listen
+        address, or for a wildcard one the first advertised client URL."""
+        if host in ("", "0.0.0.0", "::", "[::]") and self.config.advertise_client_urls:
+            return url_to_address(self.config.advertise_client_urls[0])
+        return f"{host}:{port}"
 
     async def _health_page(self, path: str, query: str) -> tuple[int, str, bytes]:
         if self.health is None:

@@ -52,6 +52,9 @@ class FrontSession:
     def __init__(self, upstream: Upstream) -> None:
         self.upstream = upstream
         self.front_id = uuid.uuid4().hex.encode()
+        """The value of this front's registry keys and registrations: its uuid,
+        and `@host:port` once `advertise` has named its client port, where
+        other fronts watch it for its death (`liveness.py`)."""
         self.lease = 0
         self.kv = rpc_pb2_grpc.KVStub(upstream.channel)
         self.leases = rpc_pb2_grpc.LeaseStub(upstream.channel)
@@ -61,6 +64,11 @@ class FrontSession:
         self.renewed: list[Callable[[], None]] = []
         """Called when an expired session lease has been replaced."""
         self._task: asyncio.Task[None] | None = None
+
+    def advertise(self, address: str) -> None:
+        """Name the client port other fronts can reach this one at (before
+        anything is written with `front_id`)."""
+        self.front_id = b"%s@%s" % (self.front_id.split(b"@")[0], address.encode())
 
     async def metadata(self) -> tuple[tuple[str, str], ...]:
         return await self.upstream.own_metadata()
@@ -88,6 +96,19 @@ class FrontSession:
         if granted.error:
             raise CallError(Status.UNKNOWN, granted.error)
         return int(granted.ID)
+
+    async def revoke(self, lease: int) -> None:
+        """Revoke another front's lease (it was seen dead); gone already is fine."""
+        try:
+            await self.upstream.unary.call(
+                "/etcdserverpb.Lease/LeaseRevoke",
+                rpc_pb2.LeaseRevokeRequest(ID=lease).SerializeToString(),
+                await self.metadata(),
+                CALL_TIMEOUT,
+            )
+        except CallError as e:
+            if e.code is not Status.NOT_FOUND:
+                raise
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._keep())
