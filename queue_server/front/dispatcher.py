@@ -34,21 +34,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from grpc import aio
 from sortedcontainers import SortedDict
 
 from etcdserverpb import kv_pb2, rpc_pb2
 from queue_server.errors import EtcdError
+from queue_server.front.figures import WRITE_SECONDS, figures_key, read_counters
 from queue_server.front.h2_client import CallError
 from queue_server.front.liveness import watch_front
 from queue_server.front.session import (
     CALL_TIMEOUT,
+    LEASE_NOT_FOUND,
     RETRY_SECONDS,
     FrontSession,
     delete_op,
@@ -57,6 +61,7 @@ from queue_server.front.session import (
 )
 from queue_server.keyspace import grammar
 from queue_server.mq.state import QueueSettings
+from queue_server.queue_stats import COUNTERS
 
 log = logging.getLogger(__name__)
 
@@ -136,10 +141,17 @@ class Dispatcher:
         """Revisions of our own Txns: their events are already in our state."""
         self.ops: list[rpc_pb2.RequestOp] = []
         self.turn = 0
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        """produced, delivered, acked, redelivered, dead_lettered (figures.py)."""
+        self.fronts: dict[bytes, bytes] = {}
+        """Registration -> its front's id."""
+        self.figures_dirty = True
+        self.figures_written = float("-inf")
 
     # -- the election ---------------------------------------------------------------------
 
     async def campaign(self) -> None:
+        lease = 0
         while True:
             try:
                 lease = await self.session.ready()
@@ -180,6 +192,8 @@ class Dispatcher:
                     continue  # vacant: campaign at once
             except aio.AioRpcError as e:
                 log.warning("queue %s: %s", grammar.show(self.registry), e.details())
+                if e.details() == LEASE_NOT_FOUND:
+                    self.session.lost(lease)
             except CallError as e:
                 log.warning("queue %s: %s", grammar.show(self.registry), e.message)
             except Exception:
@@ -241,11 +255,26 @@ class Dispatcher:
     async def dispatch(self) -> None:
         """Rebuild from one range, then follow the watch until we are deposed."""
         self.reset()
-        snapshot = await self.session.kv.Range(
-            rpc_pb2.RangeRequest(key=self.prefix, range_end=prefix_end(self.prefix)),
+        both = await self.session.kv.Txn(
+            rpc_pb2.TxnRequest(
+                success=[
+                    rpc_pb2.RequestOp(
+                        request_range=rpc_pb2.RangeRequest(
+                            key=self.prefix, range_end=prefix_end(self.prefix)
+                        )
+                    ),
+                    rpc_pb2.RequestOp(
+                        request_range=rpc_pb2.RangeRequest(key=figures_key(self.registry))
+                    ),
+                ]
+            ),
             metadata=await self.session.metadata(),
             timeout=CALL_TIMEOUT,
         )
+        snapshot = both.responses[0].response_range
+        snapshot.header.revision = both.header.revision
+        for kv in both.responses[1].response_range.kvs:
+            self.counters.update(read_counters(kv.value))
         # the config first: it decides what the rest means (a deadline, a limit)
         for kv in snapshot.kvs:
             if kv.key == self.config_key:
@@ -274,7 +303,12 @@ class Dispatcher:
         watching = asyncio.ensure_future(follow())
         try:
             while True:
-                events = await responses.get()
+                try:
+                    events = await asyncio.wait_for(responses.get(), WRITE_SECONDS)
+                except TimeoutError:  # quiet: the figures may still be due
+                    if not await self._flush():
+                        return
+                    continue
                 while True:
                     if events is None:
                         return
@@ -324,6 +358,7 @@ class Dispatcher:
             self.next_idx = max(self.next_idx, parsed.idx + 1)
         elif parsed.kind == "consume":
             self.held.setdefault(bytes(kv.key), set())
+            self.fronts[bytes(kv.key)] = bytes(kv.value)
             self._watch_consumer_front(kv)
         elif parsed.kind == "delivery":
             # keys sort message keys ("0".."9") before registrations ("c/{uuid}")
@@ -351,6 +386,7 @@ class Dispatcher:
             )
         )
         self.messages[idx] = _Message(parsed.key, kv.value, kv.lease, 0)
+        self._count("produced")
 
     def _delivery_key(self, registration: bytes, idx: int, key: bytes) -> bytes:
         return b"%s/%0*d/%s" % (registration, grammar.IDX_DIGITS, idx, key)
@@ -386,6 +422,7 @@ class Dispatcher:
         if message is None:
             return
         message.failures += 1
+        self._count("redelivered")
         limit = self.settings.max_deliveries
         if limit and message.failures >= limit:
             del self.messages[idx]
@@ -399,6 +436,7 @@ class Dispatcher:
                 )
             )
             self.ensure_dispatcher(self.spelling, dead)
+            self._count("dead_lettered")
             log.info(
                 "queue %s: message %d dead-lettered after %d deliveries",
                 grammar.show(self.registry),
@@ -448,9 +486,12 @@ class Dispatcher:
             registration = bytes(kv.key)
             if deleted:
                 self._give_back(registration)
+                self.fronts.pop(registration, None)
             else:
                 self.held.setdefault(registration, set())
+                self.fronts[registration] = bytes(kv.value)
                 self._watch_consumer_front(kv)
+            self.figures_dirty = True
         elif parsed.kind == "delivery" and deleted:
             registration = grammar.consumer_key(self.spelling, self.name, parsed.consumer)
             if self.holder.get(parsed.idx) != registration:
@@ -470,6 +511,8 @@ class Dispatcher:
         registration = self._release(idx)
         if message is None:
             return
+        if not message_gone:
+            self._count("acked")
         if not message_gone:
             self.ops.append(delete_op(self._message_key(idx, message)))
         elif registration is not None:
@@ -520,9 +563,44 @@ class Dispatcher:
                 self.leases[lease].idxs.add(idx)
             key = self._delivery_key(registration, idx, message.key)
             self.ops.append(put_op(key, message.value, lease))
+            self._count("delivered")
+
+    def _count(self, counter: str) -> None:
+        self.counters[counter] += 1
+        self.figures_dirty = True
+
+    def figures(self) -> dict[str, Any]:
+        """This queue's figures record (figures.py)."""
+        in_flight = len(self.holder)
+        return {
+            "name": self.name.decode(errors="replace"),
+            "dispatcher": self.session.front_id.decode(errors="replace"),
+            "depth": len(self.messages),
+            "pending": len(self.messages) - in_flight,
+            "in_flight": in_flight,
+            "consumers": [
+                {
+                    "id": registration.rsplit(b"/", 1)[1].decode(errors="replace"),
+                    "member": self.fronts.get(registration, b"").decode(errors="replace"),
+                    "holding": len(held),
+                }
+                for registration, held in sorted(self.held.items())
+            ],
+            **self.counters,
+        }
+
+    def _figures_due(self) -> bool:
+        return self.figures_dirty and time.monotonic() - self.figures_written >= WRITE_SECONDS
 
     async def _flush(self) -> bool:
         """Send what the state changes need, guarded; False when deposed."""
+        if self.ops:
+            self.figures_dirty = True  # depth and holdings change with any op
+        if self._figures_due():
+            record = json.dumps(self.figures(), separators=(",", ":")).encode()
+            self.ops.append(put_op(figures_key(self.registry), record))
+            self.figures_dirty = False
+            self.figures_written = time.monotonic()
         if not self.ops:
             return True
         ops, self.ops = self.ops, []

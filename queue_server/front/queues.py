@@ -30,8 +30,10 @@ from grpc import aio
 from etcdserverpb import rpc_pb2
 from queue_server.front.admission import Admission
 from queue_server.front.dispatcher import Dispatcher
+from queue_server.front.figures import FrontFigures
 from queue_server.front.session import (
     CALL_TIMEOUT,
+    LEASE_NOT_FOUND,
     RETRY_SECONDS,
     FrontSession,
     delete_op,
@@ -103,6 +105,7 @@ class QueueFronts:
         self.session = FrontSession(upstream)
         self.session.renewed.append(self._register_again)
         self.admission = Admission(self.session)
+        self.figures = FrontFigures(self.session)
         self.live: dict[bytes, grammar.QueueKey] = {}
         """The registrations of this front's consumer watches."""
         self.dispatchers: dict[bytes, Dispatcher] = {}
@@ -191,11 +194,18 @@ class QueueFronts:
             result=rpc_pb2.Compare.EQUAL,
             create_revision=0,
         )
-        reply = await self.session.kv.Txn(
-            rpc_pb2.TxnRequest(compare=[absent], success=[put], failure=[delete_op(registration)]),
-            metadata=metadata,
-            timeout=CALL_TIMEOUT,
-        )
+        try:
+            reply = await self.session.kv.Txn(
+                rpc_pb2.TxnRequest(
+                    compare=[absent], success=[put], failure=[delete_op(registration)]
+                ),
+                metadata=metadata,
+                timeout=CALL_TIMEOUT,
+            )
+        except aio.AioRpcError as e:
+            if e.details() == LEASE_NOT_FOUND:
+                self.session.lost(lease)  # the client's watch fails; its retry finds a new one
+            raise
         if not reply.succeeded:
             log.info("consumer registered again key=%s", grammar.show(registration))
             reply = await self.session.kv.Txn(

@@ -97,6 +97,7 @@ class FrontServer:
         except (TLSError, UpstreamError) as e:
             raise FrontStartError(str(e)) from e
         self.queues = QueueFronts(self.upstream)
+        self.metrics.registry.register(self.queues.figures)
         observer = RpcObserver(self.metrics.registry, cfg.warning_apply_duration)
         table = MethodTable(forward_methods(self.upstream, self.queues)).wrapped(
             observer.middleware
@@ -136,6 +137,7 @@ class FrontServer:
                 leader_id=lambda: 1,  # the backend's leader: the read below proves it
                 linearize=self._backend_read,
                 render_metrics=self.metrics.render,
+                dashboard_state=self.queues.figures.dashboard,
             )
         )
         try:

@@ -31,6 +31,7 @@ with its default timing (its minimum TTL is 1.5 election timeouts, rounded up)."
 KEEPALIVE_SECONDS = 0.5
 RETRY_SECONDS = 0.5
 CALL_TIMEOUT = 5.0
+LEASE_NOT_FOUND = "etcdserver: requested lease not found"
 
 
 def prefix_end(prefix: bytes) -> bytes:
@@ -149,7 +150,25 @@ class FrontSession:
                     continue
             except aio.AioRpcError as e:
                 log.warning("front session keepalive interrupted, again: %s", e.details())
+            except asyncio.InvalidStateError:
+                # a write on a stream that has ended with its connection: grpc
+                # raises this, not an AioRpcError
+                log.warning("front session keepalive stream ended, again")
+            except Exception:  # the session must outlive anything: log it, go on
+                log.exception("front session keepalive failed, again")
             await asyncio.sleep(RETRY_SECONDS)
+
+    def lost(self, lease: int) -> None:
+        """etcd answered that `lease` is not found: if it is the session's, it
+        is gone (whatever the keepalive stream says), so grant another now."""
+        if lease != self.lease or not lease:
+            return
+        log.warning("front session lease=%x not found in etcd, renewing", lease)
+        self.lease = 0
+        self._ready.clear()
+        if self._task is not None:
+            self._task.cancel()
+        self._task = asyncio.ensure_future(self._keep())
 
     async def _keep_alive(self) -> bool:
         """Keep the lease alive until the stream ends (False) or etcd says the

@@ -11,10 +11,12 @@ wait is bounded.
 from __future__ import annotations
 
 import contextlib
+import json
 import queue
 import shutil
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +26,7 @@ import pytest
 from etcdserverpb import kv_pb2, rpc_pb2, rpc_pb2_grpc
 from queue_server.front.session import SESSION_TTL
 from tests.integration.test_queue import WatchStream, consumer_key, new_id
-from tests.support.processes import EtcdCluster, FrontProcess
+from tests.support.processes import EtcdCluster, FrontProcess, free_port
 
 pytestmark = [
     pytest.mark.integration,
@@ -683,3 +685,59 @@ def test_a_front_whose_session_lease_expired_registers_its_consumers_again(
     while pending_in_etcd(cluster, name):
         assert time.monotonic() < deadline, "acked messages were not removed"
     consumer.close()
+
+
+# -- figures -------------------------------------------------------------------------
+
+
+def scrape(port: int, path: str) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=WAIT) as answer:
+        return str(answer.read().decode())
+
+
+def test_every_front_shows_the_queues_figures_and_which_front_dispatches(
+    cluster: EtcdCluster, fronts: list[FrontProcess], tmp_path: Path
+) -> None:
+    a, b = fronts
+    name = b"fq-figures"
+    metrics_port = free_port()
+    watcher = FrontProcess(  # serves no client of the queue: it reads the figures from etcd
+        tmp_path / "front3.etcd",
+        cluster.endpoints,
+        ["--listen-metrics-urls", f"http://127.0.0.1:{metrics_port}"],
+    ).start()
+    try:
+        consumer = Consumer(b, name)  # b dispatches
+        for i in range(5):
+            produce(a, name, b"k%d" % i, b"v%d" % i)
+        got = consumer.deliveries(5)
+        for kv_ in got[:2]:
+            assert ack(a, kv_.key) == 1
+        wanted = [
+            'queue_server_queue_depth{queue="fq-figures"} 3.0',
+            'queue_server_queue_in_flight{queue="fq-figures"} 3.0',
+            'queue_server_queue_consumers{queue="fq-figures"} 1.0',
+            'queue_server_queue_produced_total{queue="fq-figures"} 5.0',
+            'queue_server_queue_acked_total{queue="fq-figures"} 2.0',
+        ]
+        deadline = time.monotonic() + WAIT
+        while True:
+            text = scrape(metrics_port, "/metrics")
+            if all(line in text for line in wanted):
+                break
+            assert time.monotonic() < deadline, text[-3000:]
+            time.sleep(0.2)  # the figures are written once a second: nothing to await
+        dispatching = [
+            line
+            for line in text.splitlines()
+            if line.startswith("queue_server_queue_dispatcher{") and '"fq-figures"' in line
+        ]
+        assert len(dispatching) == 1 and 'queue="fq-figures"' in dispatching[0]
+        assert f":{b.port}" in dispatching[0], dispatching  # b's id carries b's client port
+        state = json.loads(scrape(metrics_port, "/api/state"))
+        (row,) = [q for q in state["queues"] if q["name"] == "fq-figures"]
+        assert row["depth"] == 3 and row["acked"] == 2
+        assert [c["holding"] for c in row["consumers"]] == [3]
+        consumer.close()
+    finally:
+        watcher.stop()
