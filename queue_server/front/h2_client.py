@@ -25,12 +25,16 @@ It is written for one peer, grpc-go as etcd runs it, and no more:
   does. A call in flight when its connection is lost fails with UNAVAILABLE:
   it may have been applied, so only the client may decide to retry it.
 - Deadlines: sent as `grpc-timeout`, and enforced here too (RST_STREAM CANCEL).
+- Keepalive: a connection that received nothing for KEEPALIVE_SECONDS is
+  pinged, and closed when another period passes in silence, so a member that
+  stops answering without closing (a cut network) is left for the next one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import ssl
 import struct
 from collections.abc import Callable, Sequence
@@ -68,8 +72,18 @@ from queue_server.transport.h2 import (
 from queue_server.transport.header_blocks import block, literal
 from queue_server.transport.status import Status
 
+log = logging.getLogger(__name__)
+
 CONNECT_TIMEOUT = 3.0
 """How long a connection attempt to one endpoint may take."""
+KEEPALIVE_SECONDS = 10.0
+"""A connection that has received nothing for this long is sent a PING, and is
+closed if this long again passes with nothing received: a member that stopped
+answering without closing (a cut network, a stopped process) is left in 10-20 s,
+as grpcio's keepalive leaves it for the front's streams (upstream.py). etcd
+allows a ping every 5 s (its --grpc-keepalive-min-time)."""
+KEEPALIVE_PING = b"frontkap"
+"""The 8 bytes of our keepalive PING."""
 CONNECTIONS = 2
 """Connections per front to the backend: calls are spread over them, so one
 connection's writes and reads do not serialize every call."""
@@ -136,6 +150,10 @@ class _Connection(asyncio.Protocol):
         self._orphan = bytearray()
         """A header block of a stream we no longer wait for, still decoded so the
         decoder's table stays in step with the backend's encoder."""
+        self.heard = True
+        """Whether a frame came in since the last keepalive tick."""
+        self.pinged = False
+        self._tick: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol -------------------------------------------------------------
 
@@ -149,9 +167,28 @@ class _Connection(asyncio.Protocol):
             + _frame(SETTINGS, 0, 0, settings)
             + _frame(WINDOW_UPDATE, 0, 0, (MAX_WINDOW - DEFAULT_WINDOW).to_bytes(4, "big"))
         )
+        self._tick = asyncio.get_running_loop().call_later(KEEPALIVE_SECONDS, self._keepalive)
+
+    def _keepalive(self) -> None:
+        """One keepalive tick (KEEPALIVE_SECONDS)."""
+        if self.lost or self.transport is None:
+            return
+        if not self.heard:
+            if self.pinged:  # a ping and a whole period with nothing back
+                log.warning("backend %s stopped answering: closing its connection", self.address)
+                self.transport.abort()
+                return
+            self._write(_frame(PING, 0, 0, KEEPALIVE_PING))
+            self.pinged = True
+        else:
+            self.pinged = False
+        self.heard = False
+        self._tick = asyncio.get_running_loop().call_later(KEEPALIVE_SECONDS, self._keepalive)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        if self._tick is not None:
+            self._tick.cancel()
         self.pool.forget(self)
         if not self.ready.done():
             self.ready.set_exception(ConnectionError(f"{self.address}: connection closed"))
@@ -166,6 +203,7 @@ class _Connection(asyncio.Protocol):
         self.calls.clear()
 
     def data_received(self, data: bytes) -> None:
+        self.heard = True
         buf = self.buf
         buf += data
         pos, end = 0, len(buf)

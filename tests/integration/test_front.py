@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 import urllib.error
@@ -36,6 +37,9 @@ pytestmark = [
 
 WAIT = 10.0
 CALL_TIMEOUT = 5.0
+STOPPED_WAIT = 40.0
+"""Bounds the failover from a stopped member: two keepalive periods, a 3 s
+connect timeout to it, and a put's own 5 s timeout on the way."""
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +196,33 @@ def test_the_front_fails_over_when_its_etcd_member_dies(
         assert get(b, b"/front/failover/before") == b"1"
     finally:
         cluster.restart(0)
+
+
+def test_the_front_leaves_an_etcd_member_that_stops_answering(
+    cluster: EtcdCluster, fronts: list[FrontProcess]
+) -> None:
+    """A member that stops without closing its connections (SIGSTOP: as a cut
+    network looks) is noticed by the front's keepalive pings, 10-20 s without an
+    answer (front/h2_client.py KEEPALIVE_SECONDS, grpcio's for the streams), and
+    left for the next member; before, every call went on timing out there."""
+    a, b = fronts
+    put(a, b"/front/stopped/before", b"1")
+    proc = cluster.members[0].proc
+    assert proc is not None
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        while True:
+            try:
+                put(a, b"/front/stopped/after", b"2")
+                break
+            except grpc.RpcError as e:
+                assert e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                took = time.monotonic() - start
+                assert took < STOPPED_WAIT, f"still no put served after {took:.1f}s: {e}"
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    assert get(b, b"/front/stopped/after") == b"2"
 
 
 def test_without_a_backend_a_front_refuses_with_unavailable_and_recovers(
