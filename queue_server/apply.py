@@ -25,10 +25,11 @@ from queue_server.auth.store import AuthStore
 from queue_server.cqs import state as cqs_state
 from queue_server.cqs.state import CqsState
 from queue_server.errors import EtcdError, NoSpace, ServerStopped
+from queue_server.keyspace import grammar
 from queue_server.keyspace.router import KeyspaceRouter
 from queue_server.kv.executor import KVExecutor, is_read_only
 from queue_server.lease.lessor import Lessor
-from queue_server.mq.state import Assignment, QueueState, sections_with_rows
+from queue_server.mq.state import Assignment, QueueState, Release, sections_with_rows
 from queue_server.mvcc.store import CommittedRevisions, Event, KeyValue, MVCCStore
 from queue_server.proposals import ApplyResult
 from queue_server.storage.snapshot_codec import STATE_FORMAT
@@ -93,6 +94,9 @@ class Effects:
     """Committed write transactions, in revision order: (revision, events)."""
     assignments: list[Assignment] = field(default_factory=list)
     """Messages handed to consumers (delivered by the node hosting each)."""
+    released: list[Release] = field(default_factory=list)
+    """Messages consumers held and no longer do: acknowledged, or taken back
+    (the node hosting each forgets its ack deadline and delivery lease)."""
     cqs_changed: set[str] = field(default_factory=set)
     """CQS queues that may have gained visible notifications or lost in-flight ones."""
     leases_granted: list[tuple[int, int]] = field(default_factory=list)
@@ -105,6 +109,7 @@ class Effects:
         return bool(
             self.commits
             or self.assignments
+            or self.released
             or self.cqs_changed
             or self.leases_granted
             or self.leases_revoked
@@ -216,6 +221,7 @@ class StateMachine:
             raise self.failed from e
         effects = self._effects
         effects.assignments = self.queues.take_assignments()
+        effects.released = self.queues.take_released()
         effects.cqs_changed = self.cqs.take_changed()
         effects.leases_granted, effects.leases_revoked = self.lessor.take_changes()
         if not effects:
@@ -246,7 +252,7 @@ class StateMachine:
     def _apply(self, command: internal_pb2.Command) -> ApplyResult:
         kind = command.WhichOneof("op")
         try:
-            if self.alarms.no_space and _needs_space(kind, command, self.router):
+            if self.alarms.no_space and _needs_space(kind, command):
                 raise NoSpace()
             if kind == "put":
                 return self.kv.put(command.put)
@@ -400,12 +406,12 @@ def sections_with_tables(
     )
 
 
-def _needs_space(kind: str | None, command: internal_pb2.Command, router: KeyspaceRouter) -> bool:
+def _needs_space(kind: str | None, command: internal_pb2.Command) -> bool:
     """What etcd's capped applier refuses under a NOSPACE alarm. A queue
     consumer's registry key is let through: consuming (and acknowledging) is how
     a full queue drains."""
     if kind == "put":
-        return router.consumer_key(command.put.key) is None
+        return grammar.parse_consumer(command.put.key) is None
     if kind in ("lease_grant", "cqs_enqueue"):
         return True
     return kind == "txn" and not is_read_only(command.txn)

@@ -372,7 +372,6 @@ class Server:
         )
         self.cqs_view = cqs_view
         self.consumers = ConsumerDirectory(
-            self.state.router,
             self.state.queues,
             self.state.cqs,
             self.delivery,
@@ -497,7 +496,7 @@ class Server:
         """Everything the node does as time passes, on the driver's one clock."""
         cfg = self.config
         timers = self.timers
-        timers.add("queue-acks", AckPolicy(self.delivery, self.consumers.drop))
+        timers.add("queue-acks", AckPolicy(self.delivery, self.watch_hub))
         timers.add("lease-expiry", ExpiryPolicy(self.expiry, self._revoke_expired, self._spawn))
         timers.add("cqs-visibility", self.cqs_view)
         assert self.log is not None

@@ -373,6 +373,13 @@ class CqsState:
     def is_cqs(self, name: bytes) -> bool:
         return name in self._reindexed_names
 
+    def owns_consumer(self, qk: QueueKey) -> bool:
+        """Whether a consumer key `qk` (`/q/{name}/c/{uuid}`) is a CQS queue's,
+        from the state as it is now: the queue is a CQS queue (the router
+        offers CQS its claim first, so such a queue is never the etcd-key
+        queue's). A read for node-local code, which must not ask the router."""
+        return qk.spelling == keys.SHORT and self.is_cqs(qk.name)
+
     # -- configuration (follows /q/{name}/config) ---------------------------------
 
     def check_config(self, key: bytes, config: QueueConfig, *, strict: bool) -> None:

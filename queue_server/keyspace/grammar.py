@@ -101,6 +101,13 @@ def parse(key: bytes) -> QueueKey | None:
     return None
 
 
+def parse_consumer(key: bytes) -> QueueKey | None:
+    """The parsed key if a watch on exactly `key` is a queue consumer's (and a
+    put of it a consumer's registry key), else None."""
+    qk = parse(key) if key.startswith(PREFIXES) else None
+    return qk if qk is not None and qk.kind == "consume" else None
+
+
 def message_key(spelling: bytes, name: bytes, idx: int, key: bytes) -> bytes:
     return b"%s%s/%0*d/%s" % (spelling, name, IDX_DIGITS, idx, key)
 

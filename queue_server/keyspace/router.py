@@ -17,6 +17,8 @@ Everything here runs inside apply: deterministic, no clock (a command's time,
 `now_ms`, comes in the command), no I/O. The one exception is `check_write`,
 which the KV service calls before it proposes a put (the stateless checks: a
 malformed queue key, a config outside the schema), and which reads no state.
+Node-local code never asks the router who owns a queue (its answers are
+cached for one command): it asks the products' state (`CqsState.owns_consumer`).
 """
 
 from __future__ import annotations
@@ -129,11 +131,6 @@ class KeyspaceRouter:
         remembered of it."""
         self._owners.clear()
         self._parsed.clear()
-
-    def consumer_key(self, key: bytes) -> QueueKey | None:
-        """The parsed key if a watch on exactly `key` is a queue consumer."""
-        qk = grammar.parse(key) if key.startswith(grammar.PREFIXES) else None
-        return qk if qk is not None and qk.kind == "consume" else None
 
     # -- before proposing -----------------------------------------------------
 

@@ -13,11 +13,15 @@ belongs here is what only the node hosting a consumer's watch does with that:
 - delivery leases: under an ack deadline a delivery carries a lease of its own,
   which LeaseKeepAlive extends, LeaseTimeToLive reads and LeaseRevoke gives back
   (a negative acknowledgement);
-- giving messages back (`requeue`, a `QueueRequeue` command).
+- giving messages back (`requeue`, a `QueueRequeue` command);
+- forgetting a delivery's deadline and lease when the state machine says its
+  hold ended (`released`: acknowledged, or taken back; one of a command's
+  effects), so a delivery lease is live exactly while its message is held.
 
 No I/O and no clock of its own: times come in as `now`; replicated changes are
-proposed through `propose`, scheduled with `spawn`. Reads of replicated state go
-through `QueueState.queues` and never change it.
+proposed through `propose`, scheduled with `spawn`. Replicated state is read
+through `QueueState`'s queries (`held_by`, `spelling_of`, `ack_deadline_of`),
+which never change it.
 """
 
 from __future__ import annotations
@@ -81,7 +85,8 @@ class Delivery:
         self.clock = clock
         self.new_lease_id = new_lease_id
         self.dispatching_node = dispatching_node or (lambda: self.node_name)
-        # delivery leases: lease id -> (consumer, idx) of a delivery under an ack deadline
+        # delivery leases: lease id -> (consumer, idx) of a delivery under an ack
+        # deadline, while the state machine has the message with that consumer
         self.delivery_leases: dict[int, tuple[LocalConsumer, int]] = {}
         # (queue, consumer id) -> its watches here, the newest last (it gets deliveries)
         self.local: dict[tuple[bytes, bytes], list[LocalConsumer]] = {}
@@ -126,15 +131,17 @@ class Delivery:
         return None
 
     def _held_here(self, name: bytes, consumer_id: bytes) -> list[int]:
-        q = self.queues.queues.get(name)
-        slot = q.consumers.get(consumer_id) if q is not None else None
-        if slot is None or slot.node != self.node_name:
-            return []
-        return list(slot.held)
+        return list(self.queues.held_by(name, consumer_id, self.node_name))
 
     def give_back_held(self) -> None:
         """After a snapshot restore: what consumers here were assigned in the log
-        the snapshot skipped was never delivered; give it back."""
+        the snapshot skipped was never delivered; give it back. No delivery
+        made before stands (the restored state ended some holds with no
+        effects to say so): every deadline and delivery lease goes."""
+        self.delivery_leases.clear()
+        for consumer in self.by_watcher.values():
+            consumer.deadlines.clear()
+            consumer.leases.clear()
         for name, consumer_id in self.local:
             held = self._held_here(name, consumer_id)
             if held:
@@ -170,15 +177,12 @@ class Delivery:
         if not watches:
             return  # its registry key is being deleted; the messages come back
         consumer = watches[-1]
-        q = self.queues.queues[a.queue]
-        slot = q.consumers.get(a.consumer)
-        if slot is None or slot.node != self.node_name:
-            return  # it left, or moved, later in the same batch
-        held = slot.held
+        # empty if it left, or moved, later in the same batch
+        held = self.queues.held_by(a.queue, a.consumer, self.node_name)
         items = [item for item in a.items if item[0] in held]
         if not items:
             return
-        deadline = q.settings.ack_deadline
+        deadline = self.queues.ack_deadline_of(a.queue)
         lease_ids: list[int] = []
         if deadline:
             now = self.clock()
@@ -195,7 +199,8 @@ class Delivery:
                 lease_ids.append(lease_id)
         handover = None
         if self.dispatching_node() != self.node_name:
-            handover = keys.consumer_key(q.spelling, q.name, a.consumer) + b"/"
+            spelling = self.queues.spelling_of(a.queue, keys.SHORT)
+            handover = keys.consumer_key(spelling, a.queue, a.consumer) + b"/"
         self._push(consumer, self._store_of(), items, lease_ids, handover, a.revision)
 
     def _push(
@@ -253,11 +258,11 @@ class Delivery:
 
     # -- delivery leases: the ack deadline as an etcd lease -----------------------
 
-    def holds(self, consumer: LocalConsumer, idx: int) -> bool:
-        """Whether the state machine still has `idx` with this consumer, here."""
-        q = self.queues.queues.get(consumer.queue)
-        slot = q.consumers.get(consumer.consumer_id) if q is not None else None
-        return slot is not None and slot.node == self.node_name and idx in slot.held
+    def released(self, name: bytes, consumer_id: bytes, idx: int) -> None:
+        """The state machine ended the consumer's hold of `idx` (an effect of
+        apply): acknowledged, or taken back. Its deadline and lease go."""
+        for consumer in self.local.get((name, consumer_id), ()):
+            self.forget(consumer, idx)
 
     def forget(self, consumer: LocalConsumer, idx: int) -> None:
         consumer.deadlines.pop(idx, None)
@@ -270,12 +275,7 @@ class Delivery:
         if found is None:
             return None
         consumer, idx = found
-        if not self.holds(consumer, idx):
-            self.forget(consumer, idx)
-            return None
-        q = self.queues.queues.get(consumer.queue)
-        ttl = q.settings.ack_deadline if q is not None else 0.0
-        return consumer, idx, ttl
+        return consumer, idx, self.queues.ack_deadline_of(consumer.queue)
 
     def keep_alive(self, lease_id: int, now: float) -> int | None:
         """LeaseKeepAlive on a delivery lease: the ack deadline starts over.
@@ -294,8 +294,9 @@ class Delivery:
             return None
         consumer, idx, ttl = found
         remaining = max(0, int(consumer.deadlines.get(idx, now) - now))
-        q = self.queues.queues[consumer.queue]
-        return remaining, max(1, round(ttl)), q.holder[idx].held[idx]
+        # a delivery lease lives while its message is held (`released`)
+        key = self.queues.held_by(consumer.queue, consumer.consumer_id, self.node_name)[idx]
+        return remaining, max(1, round(ttl)), key
 
     def revoke(self, lease_id: int) -> bool:
         """LeaseRevoke on a delivery lease: the consumer gives the message back

@@ -27,7 +27,11 @@ this module adds lives in the state machine, so it is deterministic:
   revision of its own at the end of the command.
 
 How deliveries reach a watch stream, ack deadlines and stuck streams are the
-node's (`delivery.py`, `ack_policy.py`, `node/consumers.py`).
+node's (`delivery.py`, `ack_policy.py`, `node/consumers.py`). The node reads
+this state only through the queries of `QueueState` (`held_by`, `spelling_of`,
+`ack_deadline_of`, `queues_with_consumers`) and learns of a delivery that
+ended (acknowledged, or taken back) from the command's effects
+(`take_released`), never by looking into the queues' dicts.
 
 Checkpoints: the backend table `t:mq`
 -------------------------------------
@@ -72,8 +76,9 @@ taken with their newest bytes.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from sortedcontainers import SortedDict
@@ -200,6 +205,15 @@ class Assignment:
     events of an etcd watch never do (etcd's grpc-proxy drops those that do)."""
 
 
+Release = tuple[bytes, bytes, int]
+"""(queue, consumer id, idx): a message that consumer held and holds no more,
+acknowledged (its key deleted) or taken back (given back, or the consumer left
+or moved to another node). The node hosting the consumer forgets the
+delivery's ack deadline and lease."""
+
+_NOTHING_HELD: Mapping[int, bytes] = MappingProxyType({})
+
+
 @dataclass(eq=False, slots=True)
 class ConsumerSlot:
     """A consumer as the state machine knows it: its registry key's value (the
@@ -278,8 +292,13 @@ class QueueState:
     round-robin over consumers in join order, at most `prefetch` held each), and
     each hand-out is an `Assignment` in `take_assignments()`, one of the
     command's effects. Every replica computes the same assignment; the node
-    hosting the consumer's watch delivers. Only apply creates queues; node-local
-    code reads `queues` and never changes it.
+    hosting the consumer's watch delivers. A hold that ends (acknowledged, or
+    taken back) is a `Release` in `take_released()`, another effect.
+
+    Only apply creates queues or changes them. Node-local code asks the read
+    queries below (`held_by`, `spelling_of`, `ack_deadline_of`,
+    `queues_with_consumers`); the figures (`queue_stats.py`, the dashboard)
+    read `queues`, and never change it.
     """
 
     config_fields = QueueSettings.FIELDS
@@ -293,6 +312,7 @@ class QueueState:
         self._to_dead: list[tuple[QueueInfo, int]] = []
         self._given_back: list[tuple[QueueInfo, int]] = []
         self._assigned: list[Assignment] = []
+        self._released: list[Release] = []
         self._now_ms = 0  # the command's stamp: new message keys are produced then
         # With a backend: queue name -> the idx of its rows changed since `take_rows`
         self._touched: dict[bytes, set[int]] | None = None
@@ -326,6 +346,40 @@ class QueueState:
         """What the last command handed out (and forget it)."""
         out, self._assigned = self._assigned, []
         return out
+
+    def take_released(self) -> list[Release]:
+        """The holds the last command ended, in the order it ended them (and
+        forget them)."""
+        out, self._released = self._released, []
+        return out
+
+    # -- reads for the node: they never change the state ------------------------
+
+    def held_by(self, name: bytes, consumer_id: bytes, node: bytes) -> Mapping[int, bytes]:
+        """What consumer `consumer_id` of queue `name` holds (idx -> message
+        key, a read-only view), if its registry key names `node`; empty if the
+        queue or the consumer is unknown, or the consumer is on another node."""
+        q = self.queues.get(name)
+        slot = q.consumers.get(consumer_id) if q is not None else None
+        if slot is None or slot.node != node:
+            return _NOTHING_HELD
+        return MappingProxyType(slot.held)
+
+    def spelling_of(self, name: bytes, default: bytes) -> bytes:
+        """The prefix queue `name` is spelled with (`/q/` or `/queue/`), or
+        `default` when there is no such queue yet."""
+        q = self.queues.get(name)
+        return q.spelling if q is not None else default
+
+    def ack_deadline_of(self, name: bytes) -> float:
+        """Seconds a delivery of queue `name` may stay unacknowledged (0:
+        forever); the default for a queue that does not exist."""
+        q = self.queues.get(name)
+        return q.settings.ack_deadline if q is not None else DEFAULT_ACK_DEADLINE
+
+    def queues_with_consumers(self) -> list[tuple[bytes, bytes]]:
+        """(name, spelling) of every queue that has a consumer, in creation order."""
+        return [(q.name, q.spelling) for q in self.queues.values() if q.consumers]
 
     # -- the plugin hooks (inside KV apply) ---------------------------------------
 
@@ -396,6 +450,7 @@ class QueueState:
                         q.acked += 1
                         slot.held.pop(qk.idx, None)
                         q.hand_out.pop(qk.idx, None)
+                        self._released.append((q.name, slot.consumer_id, qk.idx))
                         self._dirty.add(q)  # room in its prefetch window
             elif e.prev_kv is None:
                 q.produced += 1
@@ -440,6 +495,7 @@ class QueueState:
                 continue
             del q.holder[idx]
             q.hand_out.pop(idx, None)
+            self._released.append((q.name, slot.consumer_id, idx))
             if touched is not None:
                 touched.add(idx)
             n += 1
@@ -683,6 +739,7 @@ class QueueState:
         self._dirty.clear()
         self._to_dead = []
         self._given_back = []
+        self._released = []
         held: dict[bytes, list[tuple[bytes, bytes, list[int]]]] = {}
         for name, spelling, next_idx, attempts, *rest in state:
             q = self.queues[name] = QueueInfo(name, spelling, next_idx, attempts=dict(attempts))

@@ -1,11 +1,14 @@
 """Queue consumers among this node's watches, and their registry keys.
 
 A watch on exactly `/q/{name}/c/{uuid}` (or `/queue/{name}/consumer/{uuid}`) is
-a consumer, of whichever product owns the queue: the keyspace router says which
-keys are consumer keys, CQS claims its own queues (`cqs/watch_view.py` delivers
-to them) and the etcd-key queue the rest (`mq/delivery.py`). The watch hub
-hands every exact-key watch to `take` and every ending consumer watch to
-`release`.
+a consumer, of whichever product owns the queue: the key grammar says which
+keys are consumer keys, CQS's state says which queues are its own
+(`CqsState.owns_consumer`; `cqs/watch_view.py` delivers to them) and the
+etcd-key queue has the rest (`mq/delivery.py`). Nothing here asks the keyspace
+router, whose answers belong to apply. The watch hub hands every exact-key
+watch to `take` and every ending consumer watch to `release`; a stuck
+consumer's watch is ended by the hub (`WatchHub.cancel_consumer`), which
+releases it here.
 
 What belongs here is registration, the same for both products:
 
@@ -36,9 +39,7 @@ from queue_server.cqs.state import CqsState
 from queue_server.cqs.watch_view import CqsWatchConsumers
 from queue_server.errors import EtcdError
 from queue_server.keyspace import grammar as keys
-from queue_server.keyspace.grammar import QueueKey
-from queue_server.keyspace.router import KeyspaceRouter
-from queue_server.mq.delivery import Delivery, LocalConsumer
+from queue_server.mq.delivery import Delivery
 from queue_server.mq.state import QueueState
 from queue_server.mvcc.store import Event, MVCCStore
 from queue_server.proposals import Propose, Spawn
@@ -61,7 +62,6 @@ class ConsumerDirectory:
 
     def __init__(
         self,
-        router: KeyspaceRouter,
         queues: QueueState,
         cqs: CqsState,
         delivery: Delivery,
@@ -72,7 +72,6 @@ class ConsumerDirectory:
         session: Session | None = None,
         dispatching_node: Callable[[], bytes] | None = None,
     ) -> None:
-        self.router = router
         self.queues = queues
         self.cqs = cqs
         self.delivery = delivery
@@ -87,27 +86,23 @@ class ConsumerDirectory:
         self._key_of: dict[Watcher, bytes] = {}
         self._watches: dict[bytes, list[Watcher]] = {}
 
-    def _is_cqs(self, qk: QueueKey) -> bool:
-        return self.router.owner(qk) is self.cqs and self.cqs.is_cqs(qk.name)
-
     # -- the watch hub's questions ----------------------------------------------
 
     def take(self, watcher: Watcher) -> bool:
         """A new watch on exactly `watcher.key`: True if it is a queue consumer,
         which gets deliveries from now on instead of key events."""
-        qk = self.router.consumer_key(watcher.key)
+        qk = keys.parse_consumer(watcher.key)
         if qk is None or not keys.valid_consumer_id(qk.consumer):
             # The Watch service refuses a consumer key whose id is not a UUID
             # before the hub sees it; a watch made here some other way (no
             # client's) stays an ordinary watch.
             return False
         consumer_id = qk.consumer
-        if self._is_cqs(qk):
+        if self.cqs.owns_consumer(qk):
             spelling = keys.SHORT
             self.cqs_view.register(watcher, qk.name.decode(), consumer_id)
         else:
-            q = self.queues.queues.get(qk.name)
-            spelling = q.spelling if q is not None else qk.spelling
+            spelling = self.queues.spelling_of(qk.name, qk.spelling)
             self.delivery.attach(watcher, qk.name, consumer_id)
         key = keys.consumer_key(spelling, qk.name, consumer_id)
         self._key_of[watcher] = key
@@ -130,16 +125,6 @@ class ConsumerDirectory:
             return
         if self.delivery.detach(watcher) is not None:
             self._delete_consumer_key(key)
-
-    def drop(self, consumer: LocalConsumer) -> None:
-        """End a stuck consumer's watch with a cancel response (AckPolicy)."""
-        watcher = consumer.watcher
-        stream = watcher.stream
-        stream.watchers.pop(watcher.watch_id, None)
-        self.release(watcher)
-        response = rpc_pb2.WatchResponse(watch_id=watcher.watch_id, canceled=True)
-        response.cancel_reason = "queue: consumer did not take a delivery within 5s"
-        stream.push(response)
 
     # -- registry keys ----------------------------------------------------------
 
@@ -165,8 +150,7 @@ class ConsumerDirectory:
 
     def _claim_registry(self, name: bytes, spelling: bytes) -> None:
         """Make `/q/{name}` name the dispatching member, if it does not."""
-        q = self.queues.queues.get(name)
-        key = keys.registry_key(q.spelling if q is not None else spelling, name)
+        key = keys.registry_key(self.queues.spelling_of(name, spelling), name)
         dispatching = self.dispatching_node()
         kv = self._store_of().get(key)
         if kv is None or kv.value != dispatching:
@@ -180,7 +164,7 @@ class ConsumerDirectory:
         """This member now orders the assignments (it became the leader): the
         registry keys of queues with consumers, and of CQS queues, name it."""
         store = self._store_of()
-        names = [(q.name, q.spelling) for q in self.queues.queues.values() if q.consumers]
+        names = self.queues.queues_with_consumers()
         names.extend((name.encode(), keys.SHORT) for name in self.cqs.queues)
         for name, spelling in names:
             if store.get(keys.registry_key(spelling, name)) is not None:

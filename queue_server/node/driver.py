@@ -6,10 +6,12 @@ gives each part its share, in this order:
 
 1. committed events to the watch hub (key watchers) and the consumer directory
    (registry keys deleted under a live consumer);
-2. queue assignments to the delivery of the node hosting each consumer: held
+2. queue holds that ended (acknowledged, or taken back) to the delivery, at
+   once, so it forgets their ack deadlines and delivery leases; queue
+   assignments to the delivery of the node hosting each consumer: held
    until the log has applied its batch (`batch_applied`), so a consumer gets
    what one group commit assigned it in as few WatchResponses as its window
-   allows;
+   allows (a hold ended later in the batch is not sent);
 3. CQS queues changed to the long-poll waiters and the CQS watch view;
 4. leases granted and revoked to the expiry clock.
 
@@ -67,6 +69,10 @@ class NodeDriver:
         for revision, events in effects.commits:
             for listener in listeners:
                 listener(revision, events)
+        if effects.released:
+            released = parts.delivery.released
+            for queue, consumer_id, idx in effects.released:
+                released(queue, consumer_id, idx)
         if effects.assignments:
             waiting = self._assigned
             for a in effects.assignments:

@@ -317,6 +317,21 @@ class WatchHub:
         if stream.progress_deferred and not stream.progress_held():
             self._push_progress(stream)  # it was the last one holding it back
 
+    def cancel_consumer(self, watcher: Watcher, reason: str) -> None:
+        """End a consumer watch from the server's side (a stuck consumer): it
+        leaves its stream, `consumers` releases it, and the client gets a
+        cancel response with `reason` (no header, as before: the watch saw no
+        revision of its own)."""
+        stream = watcher.stream
+        if stream.watchers.get(watcher.watch_id) is not watcher:
+            return  # the client cancelled it, or its stream closed, first
+        del stream.watchers[watcher.watch_id]
+        if self.consumers is not None:
+            self.consumers.release(watcher)
+        response = rpc_pb2.WatchResponse(watch_id=watcher.watch_id, canceled=True)
+        response.cancel_reason = reason
+        stream.push(response)
+
     def request_progress(self, stream: WatchStream) -> None:
         """A WatchProgressRequest: answer now if every watcher is synced, else as
         soon as they are."""

@@ -111,7 +111,6 @@ class Node:
             self.timers.wall_ms,
         )
         self.consumers = ConsumerDirectory(
-            self.state.router,
             self.state.queues,
             self.state.cqs,
             self.delivery,
@@ -127,7 +126,7 @@ class Node:
             )
         )
         self.revoked: list[int] = []
-        self.timers.add("queue-acks", AckPolicy(self.delivery, self.consumers.drop))
+        self.timers.add("queue-acks", AckPolicy(self.delivery, self.hub))
         self.timers.add("lease-expiry", ExpiryPolicy(self.expiry, self._revoke, self.spawn))
         self.timers.add("cqs-visibility", self.cqs_view)
         self.cqs_expiry = VisibilityTimer(
@@ -230,6 +229,7 @@ def describe(effects: list[Effects]) -> list[tuple[Any, ...]]:
                 for rev, events in fx.commits
             ],
             [(a.queue, a.consumer, a.node, a.items) for a in fx.assignments],
+            fx.released,
             sorted(fx.cqs_changed),
             fx.leases_granted,
             fx.leases_revoked,

@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from etcdserverpb import internal_pb2, rpc_pb2
-from queue_server.mq.ack_policy import STUCK_SECONDS
+from queue_server.mq.ack_policy import STUCK_REASON, STUCK_SECONDS
 from queue_server.node.timers import Every, Timers
 from tests.support.node_harness import NODE, FakeClock, Node, delivered_keys, drain
 
@@ -124,6 +124,49 @@ async def test_acknowledged_delivery_is_not_given_back_at_its_deadline() -> None
     assert q.attempts == {} and q.depth == 0 and q.redelivered == 0
 
 
+async def test_an_ack_ends_the_delivery_lease_when_it_is_applied_not_at_a_tick() -> None:
+    node = Node()
+    await node.put(b"/q/fast/config", json.dumps({"ack_deadline": 30}).encode())
+    cid, key = consumer_key(b"fast")
+    stream = node.watch(key)
+    await node.settle()
+    await node.put(b"/q/fast/p/m1", b"x")
+    await node.put(b"/q/fast/p/m2", b"y")
+    await node.settle()
+    events = [e.kv for r in drain(stream) for e in r.events]
+    assert [kv.key.rsplit(b"/", 1)[1] for kv in events] == [b"m1", b"m2"]
+    (watch,) = node.delivery.local[(b"fast", cid)]
+    assert set(watch.deadlines) == {1, 2}
+    leases = [kv.lease for kv in events]
+    assert node.delivery.time_to_live(leases[0], node.clock()) == (30, 30, events[0].key)
+
+    await node.delete(events[0].key)  # the ack; no timer runs after it
+    assert set(watch.deadlines) == {2} and set(watch.leases) == {2}
+    assert leases[0] not in node.delivery.delivery_leases
+    assert node.delivery.keep_alive(leases[0], node.clock()) is None
+    assert not node.delivery.revoke(leases[0])
+    assert node.delivery.keep_alive(leases[1], node.clock()) == 30  # the other stands
+
+
+async def test_a_delivery_taken_back_by_apply_loses_its_lease_at_once() -> None:
+    node = Node()
+    await node.put(b"/q/back/config", json.dumps({"ack_deadline": 30}).encode())
+    _cid, key = consumer_key(b"back")
+    stream = node.watch(key)
+    await node.settle()
+    await node.put(b"/q/back/p/m1", b"x")
+    await node.settle()
+    (first,) = [e.kv for r in drain(stream) for e in r.events]
+    # an operator deletes the registry key: apply takes m1 back from the consumer
+    await node.delete(key)
+    assert first.lease not in node.delivery.delivery_leases
+    await node.settle()  # the key is written again, and m1 comes back to the consumer
+    (again,) = [e.kv for r in drain(stream) for e in r.events]
+    assert again.key.rsplit(b"/", 1)[1] == b"m1" and again.lease != first.lease
+    assert node.delivery.keep_alive(again.lease, node.clock()) == 30
+    assert node.state.queues.queues[b"back"].attempts == {1: 1}
+
+
 async def test_stuck_consumer_is_dropped_and_its_messages_go_to_another() -> None:
     node = Node()
     stuck_id, stuck_key = consumer_key(b"st")
@@ -143,7 +186,9 @@ async def test_stuck_consumer_is_dropped_and_its_messages_go_to_another() -> Non
     await node.tick(1.0)
     q = node.state.queues.queues[b"st"]
     assert stuck_id not in q.consumers
-    assert stuck.outbox[-1][0].canceled
+    cancel = stuck.outbox[-1][0]
+    assert cancel.canceled and cancel.cancel_reason == STUCK_REASON
+    assert not stuck.watchers  # its only watch left the stream
     assert [k.rsplit(b"/", 1)[1] for k in delivered_keys(other)] == [b"m1"]
     assert q.consumers[other_id].held and q.redelivered == 1
 
