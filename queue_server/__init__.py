@@ -21,9 +21,8 @@ with no I/O, is a library beside the package and imports nothing from it.
                 Change Queue Service), written against `transport.methods.Call`:
                 validate, propose or read, translate errors (`api/errors.py`), fill
                 the header. `service_table.py` builds the method table,
-                `observer.py` and `auth_gate.py` are its middleware,
-                `grpcio_server.py` serves it on grpcio (--grpc-transport grpcio),
-                and `gateway_routes.py` maps etcd's HTTP/JSON gateway URLs onto it.
+                `observer.py` and `auth_gate.py` are its middleware, and
+                `gateway_routes.py` maps etcd's HTTP/JSON gateway URLs onto it.
 - `tls.py`      the TLS flags' files -> server contexts and credentials.
 - `config.py`   flags and ETCD_* variables -> one frozen Config.
 - `metrics_listener.py`, `dashboard.py`, `metrics.py` the --listen-metrics-urls
@@ -68,7 +67,9 @@ with no I/O, is a library beside the package and imports nothing from it.
                 and how a revision is named (`revisions.py`). Imports nothing
                 of the server.
 - `transport/`  the native gRPC server: HTTP/2 frames (`h2.py`, no I/O), calls on
-                a connection, the method table and the `Call` interface, and the
-                HTTP/1.1 JSON gateway on the same port (`gateway.py`). Knows
-                nothing of etcd. See docs/transport.md.
+                a connection, the method table, the `Call` interface and the one
+                handler runner (`methods.py`), the HTTP/1.1 JSON gateway on the
+                same port (`gateway.py`), and the same table on grpcio's server
+                (`grpcio_fallback.py`, --grpc-transport grpcio). Knows nothing
+                of etcd. See docs/transport.md.
 """

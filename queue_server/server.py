@@ -40,7 +40,6 @@ from queue_server.api.auth_gate import AuthGate, guard
 from queue_server.api.cqs import CqsService, QueueWaiters
 from queue_server.api.election import ElectionService
 from queue_server.api.gateway_routes import GATEWAY_PAGES, gateway_settings
-from queue_server.api.grpcio_server import ServedCalls, generic_handlers, stop_grpcio
 from queue_server.api.header import HeaderFiller
 from queue_server.api.kv import KVService
 from queue_server.api.lease import LeaseService
@@ -94,6 +93,7 @@ from queue_server.tls import (
     server_ssl_context,
 )
 from queue_server.transport.grpc_protocol import ConnectionSettings
+from queue_server.transport.grpcio_fallback import ServedCalls, generic_handlers, stop_grpcio
 from queue_server.transport.h2 import STREAM_CAP, Limits
 from queue_server.transport.methods import MethodTable
 from queue_server.transport.server import FLUSH_SECONDS, NativeServer

@@ -1,11 +1,11 @@
-"""TLS on the client and peer URLs: loading credentials, and who a client is.
+"""TLS on the client and peer URLs: loading credentials.
 
 What belongs here: reading and checking the PEM files named by etcd's TLS flags
 (`--cert-file`, `--key-file`, `--trusted-ca-file`, `--client-cert-auth` and their
 `--peer-*` twins), turning them into gRPC credentials and `ssl.SSLContext`s for
 the listeners and for the connections to the other members (the peer wire,
-`queue_server/replication/peer_wire.py`, takes contexts), and reading a caller's
-certificate identity.
+`queue_server/replication/peer_wire.py`, takes contexts). Who a client is (its
+certificate's CN) each transport reads from its own connection.
 No I/O besides reading those files; no server state. Imports grpc and
 `queue_server.config`, nothing else of ours.
 
@@ -23,47 +23,23 @@ Theory of operation, as etcd 3.5:
   server and a client certificate.
 - With `--client-cert-auth` the common name (CN) of a client's verified
   certificate is its user name when auth is enabled: the auth layer asks
-  `client_common_name(context)` when a request carries no token.
+  `Call.client_common_name()` when a request carries no token (each transport
+  reads it from its own TLS connection; grpcio's auth context in
+  `transport/grpcio_fallback.py`).
 """
 
 from __future__ import annotations
 
 import ssl
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
 import grpc
 
 from queue_server.config import Config, TLSFiles, secure_url
 
-COMMON_NAME_KEY = "x509_common_name"
-"""The gRPC auth-context property holding the verified peer certificate's CN."""
-
 
 class TLSError(ValueError):
     """A TLS file is unreadable or not what its flag needs; the message says which."""
-
-
-class HasAuthContext(Protocol):
-    """A gRPC servicer context (sync or asyncio): all `client_common_name` needs."""
-
-    def auth_context(self) -> Mapping[str, Iterable[bytes]]: ...
-
-
-def client_common_name(context: HasAuthContext) -> str | None:
-    """The CN of the client's verified certificate, or None (plain http, or a
-    listener that asked for no certificate because --client-cert-auth is off).
-
-    gRPC puts the CN in the auth context only after the handshake verified the
-    certificate against --trusted-ca-file, so a name returned here is trusted.
-    etcd uses it as the user name of a request without a token when auth is on,
-    and so does `queue_server/api/auth_gate.py`."""
-    names = list(context.auth_context().get(COMMON_NAME_KEY, ()))
-    if not names:
-        return None
-    name = names[0].decode("utf-8", "replace")
-    return name or None
 
 
 @dataclass(frozen=True, slots=True)

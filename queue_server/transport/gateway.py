@@ -38,7 +38,7 @@ import h11
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from queue_server.transport.methods import Method
+from queue_server.transport.methods import Method, run_handler
 from queue_server.transport.status import RpcError, Status
 
 log = logging.getLogger(__name__)
@@ -244,7 +244,7 @@ class GatewayCall:
         self._messages: deque[Any] = deque()
         self._read_waiter: asyncio.Future[None] | None = None
         self._body_done = False
-        self.body_error: RpcError | None = None
+        self.stream_error: RpcError | None = None
         self.stream = JsonStream()
         self.response_started = False
         self.closed = False
@@ -297,8 +297,8 @@ class GatewayCall:
 
     async def __anext__(self) -> Any:
         while not self._messages:
-            if self.body_error is not None:
-                raise self.body_error
+            if self.stream_error is not None:
+                raise self.stream_error
             if self.closed or (self._body_done and not self.route.hold_open):
                 raise StopAsyncIteration
             waiter = self._conn.loop.create_future()
@@ -315,9 +315,9 @@ class GatewayCall:
         try:
             self._messages.extend(self.stream.feed(data))
         except ValueError as e:
-            self.body_error = RpcError(Status.INVALID_ARGUMENT, str(e))
+            self.stream_error = RpcError(Status.INVALID_ARGUMENT, str(e))
         if self.stream.pending() > self._conn.settings.max_body:
-            self.body_error = RpcError(
+            self.stream_error = RpcError(
                 Status.RESOURCE_EXHAUSTED, "grpc: received message larger than max"
             )
         self.wake()
@@ -326,7 +326,7 @@ class GatewayCall:
         try:
             self.stream.finish()
         except ValueError as e:
-            self.body_error = self.body_error or RpcError(Status.INVALID_ARGUMENT, str(e))
+            self.stream_error = self.stream_error or RpcError(Status.INVALID_ARGUMENT, str(e))
         self._body_done = True
         self.wake()
 
@@ -553,49 +553,40 @@ class HttpConnection(asyncio.Protocol):
         self._cycle()
 
     async def _serve(self, call: GatewayCall, request: Any) -> None:
+        """Run the call's handler (`methods.run_handler`) and answer with what
+        it ends with: a JSON body, or the end of a chunked stream, or
+        grpc-gateway's error (a body, or a stream's last line)."""
         method = call.method
-        try:
-            if not method.response_streaming:
-                response = await method.handler(request, call)
-                self._task = None
-                if type(response) is bytes:  # serialized already (a front's forward)
-                    response = method.response_class.FromString(response)
-                body = to_json(response)
-                headers = [*_OK_HEADERS, (b"Content-Length", b"%d" % len(body))]
-                self._send(h11.Response(status_code=200, reason=_reason(200), headers=headers))
-                self._send(h11.Data(data=body))
-                self._send(h11.EndOfMessage())
-                self._finish(call)
-                return
-            result = method.handler(request, call)
-            if hasattr(result, "__anext__"):
-                async for item in result:
-                    await call.write(item)
-            else:
-                await result
-            if call.body_error is not None:
-                raise call.body_error
+
+        def respond(response: Any) -> None:
             self._task = None
-            self._end_stream(call, None)
+            if type(response) is bytes:  # serialized already (a front's forward)
+                response = method.response_class.FromString(response)
+            body = to_json(response)
+            headers = [*_OK_HEADERS, (b"Content-Length", b"%d" % len(body))]
+            self._send(h11.Response(status_code=200, reason=_reason(200), headers=headers))
+            self._send(h11.Data(data=body))
+            self._send(h11.EndOfMessage())
+            self._finish(call)
+
+        try:
+            await run_handler(method, request, call, respond)
+            if method.response_streaming and call.stream_error is not None:
+                raise call.stream_error  # the body broke after the handler's last read
         except RpcError as e:
             self._task = None
-            error = call.body_error or e
             if call.response_started:
-                self._end_stream(call, error)
+                self._end_stream(call, e)
             else:
-                self._answer_error(error.code, error.message)
+                self._answer_error(e.code, e.message)
         except asyncio.CancelledError:
             self._task = None
             if self.transport is not None and not self.transport.is_closing():
                 self.transport.close()  # the server is stopping
-        except Exception as e:
-            self._task = None
-            log.exception("handler failed method=%s", method.path)
-            message = f"Unexpected {type(e)}: {e}"
-            if call.response_started:
-                self._end_stream(call, RpcError(Status.UNKNOWN, message))
-            else:
-                self._answer_error(Status.UNKNOWN, message)
+        else:
+            if method.response_streaming:  # `respond` answered a unary one
+                self._task = None
+                self._end_stream(call, None)
 
     async def send_chunk(self, call: GatewayCall, data: bytes) -> None:
         if call.closed or self.transport is None or self.transport.is_closing():

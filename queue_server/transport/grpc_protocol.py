@@ -48,6 +48,7 @@ from queue_server.transport.methods import (
     STREAM_DECODE_ERROR,
     UNARY_DECODE_ERROR,
     Method,
+    run_handler,
 )
 from queue_server.transport.status import RpcError, Status, encode_message
 
@@ -644,36 +645,30 @@ class GrpcConnection(asyncio.Protocol):
         call.task = self.loop.create_task(self._serve(call, request))
 
     async def _serve(self, call: NativeCall, request: Any) -> None:
-        method = call.method
+        """Run the call's handler (`methods.run_handler`) and end the stream
+        with what it ends with."""
+
+        def respond(response: Any) -> None:
+            if not call.closed:
+                payload = call.method.serialize(response)
+                self.h2.respond(
+                    call.stream_id,
+                    header_blocks.RESPONSE_HEADERS,
+                    MESSAGE_PREFIX.pack(0, len(payload)) + payload,
+                    header_blocks.TRAILERS_OK,
+                )
+                self._finished(call)
+
         try:
-            if not method.response_streaming:
-                response = await method.handler(request, call)
-                if not call.closed:
-                    payload = method.serialize(response)
-                    self.h2.respond(
-                        call.stream_id,
-                        header_blocks.RESPONSE_HEADERS,
-                        MESSAGE_PREFIX.pack(0, len(payload)) + payload,
-                        header_blocks.TRAILERS_OK,
-                    )
-                    self._finished(call)
-                return
-            result = method.handler(request, call)
-            if hasattr(result, "__anext__"):
-                async for item in result:
-                    await call.write(item)
-            else:
-                await result
-            self._end(call, Status.OK, "")
+            await run_handler(call.method, request, call, respond)
         except RpcError as e:
-            first = call.stream_error or e
-            self._end(call, first.code, first.message)
+            self._end(call, e.code, e.message)
         except asyncio.CancelledError:
             if not call.closed:  # the server is stopping
                 self._end(call, Status.UNAVAILABLE, self.settings.stopped_message)
-        except Exception as e:
-            log.exception("handler failed method=%s", method.path)
-            self._end(call, Status.UNKNOWN, f"Unexpected {type(e)}: {e}")
+        else:
+            if call.method.response_streaming:  # `respond` ended a unary one
+                self._end(call, Status.OK, "")
 
     def _not_grpc(self, stream_id: int) -> None:
         """HTTP 415 and a line of text for a request that is not gRPC."""

@@ -1,21 +1,44 @@
-"""The methods a gRPC server serves, by `:path`, and the call interface their
-handlers see.
+"""The methods a gRPC server serves, by `:path`, the call interface their
+handlers see, and what it means to run one.
 
 What belongs here: `Method` (one RPC: its path, its streaming shape, how to
-parse its request, its handler), `MethodTable`, and `Call`, the small interface
-every handler is given in place of a transport's own context. Both transports
-(the native one of this package, and grpcio's server in
-`queue_server/api/grpcio_server.py`) serve the same table. Imports nothing of
-ours but `status`.
+parse its request, its handler), `MethodTable`, `Call`, the small interface
+every handler is given in place of a transport's own context, and
+`run_handler`, the one way every transport calls a handler. The three
+transports (the native gRPC connection, `grpc_protocol.py`; the HTTP/JSON
+gateway, `gateway.py`; grpcio's server, `grpcio_fallback.py`) serve the same
+table through it and keep only their own I/O: how a request is read, and how a
+response, a stream's end or a status is written. Imports nothing of ours but
+`status`.
+
+Running a handler (`run_handler`): a unary response is what the handler
+returns, handed to the transport's `respond`; a streamed response is every
+item of the handler's async generator, written with `call.write`, or what a
+handler that is a plain coroutine writes itself. The call then ends with one
+status, and the only exceptions `run_handler` lets out say which:
+
+- `RpcError`: the call ends with its code and message. A handler reports an
+  etcd error this way (`api/errors.py` turns the core's `EtcdError` into
+  `call.abort`, which raises one), and so does a request stream that failed
+  (`ServedCall.stream_error`), which wins over whatever the handler raised
+  next;
+- any other exception is a bug in the handler: logged with its traceback, and
+  the call ends UNKNOWN "Unexpected <class ...>: ..." (grpcio's text for it);
+- `asyncio.CancelledError`: the transport cancelled the call (the client went
+  away, or the server is stopping); what to answer, if anything, is the
+  transport's.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn, Protocol
 
-from queue_server.transport.status import Status
+from queue_server.transport.status import RpcError, Status
+
+log = logging.getLogger(__name__)
 
 UNARY_DECODE_ERROR = "grpc: error unmarshalling request: "
 STREAM_DECODE_ERROR = "grpc: failed to unmarshal the received message "
@@ -55,6 +78,15 @@ class Call(Protocol):
         """Send several response messages at once (one DATA write on the native
         transport); waits as `write` does. An item that is `bytes` is a message
         serialized already."""
+
+
+class ServedCall(Call, Protocol):
+    """A `Call` as its transport serves it."""
+
+    @property
+    def stream_error(self) -> RpcError | None:
+        """Why the request stream failed (a message that does not parse, or
+        too large), if it did: the status the call ends with."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,3 +156,28 @@ class MethodTable:
 
     def by_raw_path(self) -> dict[bytes, Method]:
         return {path.encode(): m for path, m in self.methods.items()}
+
+
+async def run_handler(
+    method: Method, request: Any, call: ServedCall, respond: Callable[[Any], None]
+) -> None:
+    """Run `method`'s handler for one call (see the module docstring): `request`
+    is the request message, or for a streamed request the iterator of them;
+    a unary response goes to `respond`, which sends it. Returns when the
+    handler is done and the call ends OK; raises `RpcError` with the status it
+    ends with otherwise, or `asyncio.CancelledError`."""
+    try:
+        if not method.response_streaming:
+            respond(await method.handler(request, call))
+            return
+        result = method.handler(request, call)
+        if hasattr(result, "__anext__"):
+            async for item in result:
+                await call.write(item)
+        else:
+            await result
+    except RpcError as e:
+        raise call.stream_error or e from None
+    except Exception as e:
+        log.exception("handler failed method=%s", method.path)
+        raise RpcError(Status.UNKNOWN, f"Unexpected {type(e)}: {e}") from None

@@ -1,7 +1,8 @@
 """TLS on client and peer URLs, as etcd 3.5: https client URLs with our stubs and
 etcdctl, --client-cert-auth refusing clients without a trusted certificate, the
-client certificate's CN as seen by `queue_server.tls.client_common_name`, a
-cluster over https peer URLs with --peer-client-cert-auth, and startup errors.
+client certificate's CN as grpcio's auth context has it
+(`queue_server.transport.grpcio_fallback.client_common_name`), a cluster over
+https peer URLs with --peer-client-cert-auth, and startup errors.
 
 Certificates are made per module by `tests.support.tls.make_pki`."""
 
@@ -17,7 +18,7 @@ import pytest
 from grpc import aio
 
 from etcdserverpb import rpc_pb2, rpc_pb2_grpc
-from queue_server.tls import client_common_name
+from queue_server.transport.grpcio_fallback import client_common_name
 from tests.support.cluster import Cluster
 from tests.support.processes import ServerProcess, free_port, open_channel, run_cli
 from tests.support.tls import CLIENT_CN, CertFiles, Pki, make_pki

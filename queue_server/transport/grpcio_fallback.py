@@ -1,8 +1,14 @@
 """The fallback transport: the same method table served by grpcio's aio server
 (`--grpc-transport grpcio`).
 
-What belongs here: `GrpcioCall`, our `Call` over grpcio's `ServicerContext`,
-and `generic_handlers`, which registers the table as generic handlers. Generic
+What belongs here: `GrpcioCall`, our `Call` over grpcio's `ServicerContext`
+(with the client certificate's common name as grpcio's auth context has it,
+`client_common_name`), and `generic_handlers`, which registers the table as
+generic handlers, each running its method with `methods.run_handler`, as the
+native transport and the gateway do: a streamed response is written with
+grpcio's `context.write`, and the status a call ends with becomes grpcio's
+`context.abort`. Imports grpcio and nothing of ours but `methods` and
+`status`. Generic
 ones only: for "registered methods" grpcio 1.6x keeps a pending task per method
 and waits on all of them for every incoming call, a cost linear in the ~33
 methods of etcd's services (more CPU than a whole Range).
@@ -23,25 +29,48 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError
 from grpc import aio
 
-from queue_server.tls import client_common_name
 from queue_server.transport.methods import (
     STREAM_DECODE_ERROR,
     UNARY_DECODE_ERROR,
     Method,
     MethodTable,
+    run_handler,
 )
 from queue_server.transport.status import RpcError, Status
 
 Context = aio.ServicerContext[Any, Any]
+
+COMMON_NAME_KEY = "x509_common_name"
+"""The gRPC auth-context property holding the verified peer certificate's CN."""
+
+
+class HasAuthContext(Protocol):
+    """A gRPC servicer context (sync or asyncio): all `client_common_name` needs."""
+
+    def auth_context(self) -> Mapping[str, Iterable[bytes]]: ...
+
+
+def client_common_name(context: HasAuthContext) -> str | None:
+    """The CN of the client's verified certificate, or None (plain http, or a
+    listener that asked for no certificate because --client-cert-auth is off).
+
+    gRPC puts the CN in the auth context only after the handshake verified the
+    certificate against --trusted-ca-file, so a name returned here is trusted.
+    etcd uses it as the user name of a request without a token when auth is on,
+    and so does `queue_server/api/auth_gate.py` (through `Call`)."""
+    names = list(context.auth_context().get(COMMON_NAME_KEY, ()))
+    if not names:
+        return None
+    name = names[0].decode("utf-8", "replace")
+    return name or None
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,47 +197,30 @@ async def _abort(context: Context, error: RpcError) -> NoReturn:
 
 
 def _behavior(method: Method, calls: ServedCalls) -> Callable[..., Any]:
-    handler = method.handler
-    streamed_out = method.response_streaming and inspect.isasyncgenfunction(handler)
+    """The grpcio handler of `method`: one coroutine for every streaming shape
+    (grpcio sends what it returns for a unary response, and what it writes
+    with `context.write` for a streamed one)."""
     waits = method.waits
 
-    def arguments(request: Any, call: GrpcioCall) -> Any:
-        if method.request_streaming:
-            return call.requests(request)
-        if isinstance(request, Undecodable):
-            raise RpcError(Status.INTERNAL, UNARY_DECODE_ERROR + request.reason)
-        return request
-
-    if streamed_out:
-
-        async def stream_out(request: Any, context: Context) -> AsyncIterator[Any]:
-            call = GrpcioCall(context)
-            with calls.serving(waits):
-                try:
-                    async for item in handler(arguments(request, call), call):
-                        yield item
-                except RpcError as e:
-                    await _abort(context, call.stream_error or e)
-                except asyncio.CancelledError:
-                    if not calls.stopping:
-                        raise
-                    await _abort(context, calls.stopped())
-
-        return stream_out
-
-    async def unary_out(request: Any, context: Context) -> Any:
+    async def behavior(request: Any, context: Context) -> Any:
         call = GrpcioCall(context)
+        answer: list[Any] = []
         with calls.serving(waits):
             try:
-                return await handler(arguments(request, call), call)
+                if method.request_streaming:
+                    request = call.requests(request)
+                elif isinstance(request, Undecodable):
+                    raise RpcError(Status.INTERNAL, UNARY_DECODE_ERROR + request.reason)
+                await run_handler(method, request, call, answer.append)
             except RpcError as e:
-                await _abort(context, call.stream_error or e)
+                await _abort(context, e)
             except asyncio.CancelledError:
                 if not calls.stopping:
                     raise
                 await _abort(context, calls.stopped())
+        return answer[0] if answer else None
 
-    return unary_out
+    return behavior
 
 
 def generic_handlers(
