@@ -24,7 +24,6 @@ Theory of operation:
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -146,8 +145,10 @@ class DashboardSource:
     name: str
     leader_id: Callable[[], int]
     members: Callable[[], list[tuple[int, str, tuple[str, ...]]]]
-    clock: Callable[[], float] = time.monotonic
-    wall: Callable[[], float] = time.time
+    clock: Callable[[], float]
+    """The node's clock (`Timers.clock`)."""
+    wall: Callable[[], float]
+    """The node's wall clock (`Timers.wall`): what the queues' ages are measured against."""
     history: QueueHistory | None = None
     quota: Callable[[], tuple[int, int]] | None = None
     """(bytes used, --quota-backend-bytes; 0 for no quota)."""

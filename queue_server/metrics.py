@@ -11,7 +11,6 @@ per CQS queue), read at scrape time.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -39,7 +38,7 @@ class StateCollector(Collector):
         self,
         state: StateMachine,
         membership: Membership,
-        wall: Callable[[], float] = time.time,
+        wall: Callable[[], float],
     ) -> None:
         self.state = state
         self.membership = membership

@@ -251,6 +251,7 @@ class Server:
             StateCollector(
                 self.state,
                 MetricsMembership(membership.leader_id, member_id, lambda: self._leader_changes),
+                self.timers.wall,
             )
         )
         await self._serve_clients(table)
@@ -409,7 +410,9 @@ class Server:
         cfg = self.config
         assert self.log is not None
         observer = RpcObserver(self.metrics.registry, cfg.warning_apply_duration)
-        auth = AuthGate(self.state, SimpleTokens(self.state.auth, cfg.auth_token_ttl))
+        auth = AuthGate(
+            self.state, SimpleTokens(self.state.auth, self.timers.clock, cfg.auth_token_ttl)
+        )
         recipes = LocalClient(self.state, writes, self.watch_hub)
         etcd = rpc_pb2.DESCRIPTOR.services_by_name
         services: list[tuple[ServiceDescriptor, object]] = [
@@ -434,7 +437,7 @@ class Server:
             (
                 etcd["Lease"],
                 LeaseService(
-                    self.state, writes, self.expiry, header, ids, self.delivery, self.timers.clock
+                    self.state, writes, self.expiry, header, ids, self.timers.clock, self.delivery
                 ),
             ),
             (

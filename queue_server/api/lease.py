@@ -9,7 +9,6 @@ Revoke here too, so any etcd client can extend or give back a delivery.
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import ClassVar, Protocol
 
@@ -47,8 +46,8 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
         expiry: ExpiryClock,
         header: HeaderFiller,
         ids: LeaseIdGenerator,
+        clock: Callable[[], float],
         deliveries: DeliveryLeases | None = None,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.state = state
         self.log = log

@@ -9,16 +9,15 @@ A token also remembers the user's credential revision and the store's enable
 revision when it was issued, so deleting the user, changing its password, or
 disabling auth voids it without this table being told.
 
-Time is injected (`clock`), so expiry is tested without sleeping. The table is
-swept of expired tokens every `SWEEP_EVERY` issues, which bounds it by the
-number of logins within one TTL.
+Time is injected (`clock`, the node's `Timers.clock`; required), so expiry is
+tested without sleeping. The table is swept of expired tokens every
+`SWEEP_EVERY` issues, which bounds it by the number of logins within one TTL.
 """
 
 from __future__ import annotations
 
 import secrets
 import string
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,8 +44,8 @@ class SimpleTokens:
     def __init__(
         self,
         store: AuthStore,
+        clock: Callable[[], float],
         ttl: float = DEFAULT_TTL,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
         self.ttl = ttl

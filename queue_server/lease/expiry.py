@@ -12,7 +12,6 @@ from __future__ import annotations
 import heapq
 import logging
 import math
-import time
 from collections.abc import Awaitable, Callable
 
 from queue_server.proposals import Spawn
@@ -32,7 +31,7 @@ class ExpiryClock:
 
     def __init__(
         self,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float],
         forward_keep_alive: Callable[[int], None] | None = None,
     ) -> None:
         """`forward_keep_alive(lease_id)`, in a cluster, also refreshes the lease

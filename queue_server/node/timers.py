@@ -10,6 +10,10 @@ The clock has two faces: `clock` (monotonic seconds) times the policies, and
 `wall_ms` (Unix milliseconds) is what a policy stamps on a command it proposes
 (apply reads no clock: the CQS visibility expiry carries the proposer's time).
 A test hands in one fake for both.
+
+Nothing else of the node keeps a clock of its own: the lease expiry clock, the
+Lease service, the auth tokens, the metrics collector and the dashboard take
+this one's faces as a required argument (`server.py` hands them in).
 """
 
 from __future__ import annotations
