@@ -30,7 +30,8 @@ from etcdserverpb import rpc_pb2
 from queue_server.errors import EtcdError
 from queue_server.front.session import FrontSession, prefix_end
 from queue_server.keyspace import grammar
-from queue_server.keyspace.config import ConfigFields, invalid, parse_config
+from queue_server.keyspace.config import ConfigFields, InvalidQueueConfig, invalid, parse_config
+from queue_server.keyspace.grammar import MalformedQueueKey
 from queue_server.kv import validation
 from queue_server.mq.state import QueueFull, QueueSettings
 
@@ -108,10 +109,12 @@ class Admission:
             return
         request = rpc_pb2.TxnRequest.FromString(data)
         try:
-            validation.check_txn(request, UNCHECKED_TXN_OPS)
+            # one walk: a queue refusal is raised only when etcd's checks pass
+            validation.check_txn(request, UNCHECKED_TXN_OPS, check_queue_write)
+        except (MalformedQueueKey, InvalidQueueConfig):
+            raise
         except EtcdError:
             return  # etcd's own refusal: etcd answers it
-        validation.check_txn(request, UNCHECKED_TXN_OPS, check_queue_write)
         await self._check_depths(_produced(request))
 
     async def _check_depths(self, produces: list[grammar.QueueKey]) -> None:
