@@ -38,22 +38,18 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from grpc import aio
 from sortedcontainers import SortedDict
 
 from etcdserverpb import kv_pb2, rpc_pb2
 from queue_server.errors import EtcdError
+from queue_server.front.election import RegistryHolder
 from queue_server.front.figures import WRITE_SECONDS, figures_key, read_counters
-from queue_server.front.h2_client import CallError
-from queue_server.front.liveness import watch_front
 from queue_server.front.session import (
     CALL_TIMEOUT,
-    LEASE_NOT_FOUND,
-    RETRY_SECONDS,
     FrontSession,
     delete_op,
     prefix_end,
@@ -100,7 +96,7 @@ class _DeliveryLease:
     idxs: set[int]
 
 
-class Dispatcher:
+class Dispatcher(RegistryHolder):
     """One queue's dispatcher, while this front holds its registry key.
 
     `ensure_dispatcher(spelling, name)` asks the front to dispatch another queue
@@ -113,17 +109,14 @@ class Dispatcher:
         name: bytes,
         ensure_dispatcher: Callable[[bytes, bytes], None],
     ) -> None:
-        self.session = session
+        super().__init__(session, grammar.registry_key(spelling, name))
         self.spelling = spelling
         self.name = name
         self.ensure_dispatcher = ensure_dispatcher
-        self.registry = grammar.registry_key(spelling, name)
         self.prefix = self.registry + b"/"
         self.meta_key = self.registry + b"/meta"
         self.config_key = grammar.config_key(spelling, name)
         self.lease_prefix = self.prefix + LEASE_WORD + b"/"
-        self.probes: dict[bytes, asyncio.Future[None]] = {}
-        """Front id -> the watch for its death, for the fronts of our consumers."""
         self.reset()
 
     def reset(self) -> None:
@@ -147,108 +140,6 @@ class Dispatcher:
         """Registration -> its front's id."""
         self.figures_dirty = True
         self.figures_written = float("-inf")
-
-    # -- the election ---------------------------------------------------------------------
-
-    async def campaign(self) -> None:
-        lease = 0
-        while True:
-            try:
-                lease = await self.session.ready()
-                won = await self.session.kv.Txn(
-                    rpc_pb2.TxnRequest(
-                        compare=[
-                            rpc_pb2.Compare(
-                                key=self.registry,
-                                target=rpc_pb2.Compare.CREATE,
-                                result=rpc_pb2.Compare.EQUAL,
-                                create_revision=0,
-                            )
-                        ],
-                        success=[put_op(self.registry, self.session.front_id, lease)],
-                        failure=[
-                            rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=self.registry))
-                        ],
-                    ),
-                    metadata=await self.session.metadata(),
-                    timeout=CALL_TIMEOUT,
-                )
-                holder = (
-                    won.responses[0].response_range.kvs[0].value
-                    if not won.succeeded and won.responses[0].response_range.kvs
-                    else self.session.front_id
-                )
-                if won.succeeded or holder == self.session.front_id:
-                    log.info("dispatching queue=%s", grammar.show(self.registry))
-                    try:
-                        await self.dispatch()
-                    finally:
-                        for probe in self.probes.values():
-                            probe.cancel()
-                        self.probes.clear()
-                else:
-                    held = won.responses[0].response_range.kvs[0]
-                    await self._wait_for_vacancy(won.header.revision, held)
-                    continue  # vacant: campaign at once
-            except aio.AioRpcError as e:
-                log.warning("queue %s: %s", grammar.show(self.registry), e.details())
-                if e.details() == LEASE_NOT_FOUND:
-                    self.session.lost(lease)
-            except CallError as e:
-                log.warning("queue %s: %s", grammar.show(self.registry), e.message)
-            except Exception:
-                log.exception("queue %s: dispatcher failed", grammar.show(self.registry))
-            await asyncio.sleep(RETRY_SECONDS)
-
-    async def _wait_for_vacancy(self, revision: int, held: kv_pb2.KeyValue) -> None:
-        """Until the registry key is deleted: its holder's lease expired, or the
-        holder was seen dead (`liveness.py`) and its lease revoked."""
-        probe = asyncio.ensure_future(self._watch_front(held.value, held.lease))
-        try:
-            async for events in self._watch(self.registry, b"", revision + 1):
-                if any(event.type == kv_pb2.Event.DELETE for event in events):
-                    return
-        finally:
-            probe.cancel()
-
-    async def _watch_front(self, front: bytes, lease: int) -> None:
-        """Revoke `lease` when the front named `front` is seen dead."""
-        _, at, address = front.partition(b"@")
-        if not at or front == self.session.front_id:
-            return
-
-        async def revoke() -> None:
-            with contextlib.suppress(CallError):
-                await self.session.revoke(lease)
-
-        await watch_front(address, revoke)
-
-    def _watch_consumer_front(self, kv: kv_pb2.KeyValue) -> None:
-        """Watch the front of a registration `kv` for its death (once per front)."""
-        if kv.value != self.session.front_id and kv.value not in self.probes:
-            self.probes[bytes(kv.value)] = asyncio.ensure_future(
-                self._watch_front(kv.value, kv.lease)
-            )
-
-    async def _watch(
-        self, key: bytes, range_end: bytes, start: int
-    ) -> AsyncIterator[list[kv_pb2.Event]]:
-        """The events of a watch, one response at a time (etcd never splits a
-        revision's events over responses unless asked to fragment)."""
-        create = rpc_pb2.WatchCreateRequest(key=key, range_end=range_end, start_revision=start)
-        stream = self.session.watches.Watch(metadata=await self.session.metadata())
-        try:
-            await stream.write(rpc_pb2.WatchRequest(create_request=create))
-            while True:
-                reply = await stream.read()
-                if not isinstance(reply, rpc_pb2.WatchResponse):
-                    return  # grpc.aio.EOF: the stream ended
-                if reply.canceled:
-                    return
-                if reply.events:
-                    yield list(reply.events)
-        finally:
-            stream.cancel()
 
     # -- dispatching --------------------------------------------------------------------------
 
@@ -293,7 +184,7 @@ class Dispatcher:
 
         async def follow() -> None:
             try:
-                async for events in self._watch(
+                async for events in self.watch(
                     self.prefix, prefix_end(self.prefix), snapshot.header.revision + 1
                 ):
                     responses.put_nowait(events)
@@ -359,7 +250,7 @@ class Dispatcher:
         elif parsed.kind == "consume":
             self.held.setdefault(bytes(kv.key), set())
             self.fronts[bytes(kv.key)] = bytes(kv.value)
-            self._watch_consumer_front(kv)
+            self.probe_front(kv)
         elif parsed.kind == "delivery":
             # keys sort message keys ("0".."9") before registrations ("c/{uuid}")
             # before their deliveries ("c/{uuid}/..."): both are known by now
@@ -490,7 +381,7 @@ class Dispatcher:
             else:
                 self.held.setdefault(registration, set())
                 self.fronts[registration] = bytes(kv.value)
-                self._watch_consumer_front(kv)
+                self.probe_front(kv)
             self.figures_dirty = True
         elif parsed.kind == "delivery" and deleted:
             registration = grammar.consumer_key(self.spelling, self.name, parsed.consumer)
@@ -604,13 +495,8 @@ class Dispatcher:
         if not self.ops:
             return True
         ops, self.ops = self.ops, []
-        guard = rpc_pb2.Compare(
-            key=self.registry,
-            target=rpc_pb2.Compare.VALUE,
-            result=rpc_pb2.Compare.EQUAL,
-            value=self.session.front_id,
-        )
-        for chunk in _chunks(ops):
+        guard = self.guard()
+        for chunk in txn_chunks(ops):
             chunk.append(put_op(self.meta_key, b"%d" % self.next_idx))
             reply = await self.session.txn(rpc_pb2.TxnRequest(compare=[guard], success=chunk))
             if not reply.succeeded:
@@ -622,7 +508,7 @@ class Dispatcher:
         return True
 
 
-def _chunks(ops: list[rpc_pb2.RequestOp]) -> list[list[rpc_pb2.RequestOp]]:
+def txn_chunks(ops: list[rpc_pb2.RequestOp]) -> list[list[rpc_pb2.RequestOp]]:
     """`ops` in order, cut into Txns etcd takes: fewer than MAX_TXN_OPS each
     (one is left for the meta key), and a new Txn wherever a key would be put
     twice, or put and deleted, in one (etcd refuses those: "duplicate key given
