@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import ClassVar
 
 from etcdserverpb import cqs_pb2, cqs_pb2_grpc, internal_pb2, rpc_pb2
@@ -112,40 +112,19 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
     async def CreateOrConfigureQueue(
         self, request: cqs_pb2.CreateOrConfigureQueueRequest, context: Call
     ) -> cqs_pb2.CreateOrConfigureQueueResponse:
-        name = request.queue_name
-        why = _bad_queue_name(name)
-        if why is None and not 0 <= request.depth <= MAX_DEPTH:
-            why = f"depth must be 0..{MAX_DEPTH}"
-        if why is None and any(not s.dto_type for s in request.subscriptions):
-            why = "a subscription needs a dto_type"
+        why = check_configure(request)
         if why is not None:
             await context.abort(Status.INVALID_ARGUMENT, f"cqs: {why}")
+        name = request.queue_name
         config_key = b"/q/" + name.encode() + b"/config"
         found = self.state.store.get(config_key)
-        settings: dict[str, object] = {}
-        if found is not None:
-            try:
-                loaded = json.loads(found.value or b"{}")
-                settings = loaded if isinstance(loaded, dict) else {}
-            except ValueError:
-                settings = {}
         existing = self.state.cqs.queues.get(name)
-        cqs: dict[str, object] = {
-            "subscriptions": [
-                {"dto_type": s.dto_type, **({"alias_name": s.alias_name} if s.alias_name else {})}
-                for s in request.subscriptions
-            ],
-            "depth": existing.depth if existing else (request.depth or DEFAULT_DEPTH),
-        }
-        old = settings.get("cqs")
-        if isinstance(old, dict) and "prefetch" in old:
-            cqs["prefetch"] = old["prefetch"]
-        if old == cqs:
-            return cqs_pb2.CreateOrConfigureQueueResponse()  # already so: no write
-        settings["cqs"] = cqs
-        command = internal_pb2.Command(
-            put=rpc_pb2.PutRequest(key=config_key, value=json.dumps(settings).encode())
+        settings = configured(
+            request, found.value if found else None, existing.depth if existing else None
         )
+        if settings is None:
+            return cqs_pb2.CreateOrConfigureQueueResponse()  # already so: no write
+        command = internal_pb2.Command(put=rpc_pb2.PutRequest(key=config_key, value=settings))
         await self._propose(command, context)
         return cqs_pb2.CreateOrConfigureQueueResponse()
 
@@ -156,12 +135,9 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
     ) -> cqs_pb2.BatchDequeueResponse:
         name = request.queue_name
         await self._known(name, context)
-        if request.max_notifications < 1:
-            await context.abort(
-                Status.INVALID_ARGUMENT, "cqs: max_notifications must be at least 1"
-            )
-        if request.prefix_depth < 0:
-            await context.abort(Status.INVALID_ARGUMENT, "cqs: prefix_depth is negative")
+        why = check_dequeue(request)
+        if why is not None:
+            await context.abort(Status.INVALID_ARGUMENT, why)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0, request.wait_time_milliseconds) / 1000
         max_records = min(request.max_notifications, MAX_NOTIFICATIONS)
@@ -204,86 +180,151 @@ class CqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
     async def ReEnqueue(
         self, request_iterator: AsyncIterator[cqs_pb2.ReEnqueueRequest], context: Call
     ) -> cqs_pb2.ReEnqueueResponse:
-        stream = _Frames(request_iterator)
+        stream = Frames(request_iterator)
         try:
-            first = await stream.next(None)
-            if first is _END:
-                await context.abort(Status.CANCELLED, "cqs: stream ended without a Footer")
-            if (
-                not isinstance(first, cqs_pb2.ReEnqueueRequest)
-                or first.WhichOneof("payload") != "header"
-            ):
-                await context.abort(
-                    Status.INVALID_ARGUMENT, "cqs: the first message must be a Header"
-                )
-            name, token = first.header.queue_name, first.header.ack_token
+            name, token = await read_header(stream, context)
             await self._known(name, context)
             q = self.state.cqs.queues[name]
             if q.tree.held(token, self.wall_ms()) is None:
                 await abort(context, TokenNotHeld())
-            return await self._split(stream, name, token, context)
+
+            async def flush(items: list[cqs_pb2.SplitItem], extend: bool, commit: bool) -> int:
+                command = internal_pb2.Command()
+                c = command.cqs_enqueue
+                c.queue, c.original = name, token
+                c.items.extend(items)
+                c.now_ms = now = self.wall_ms()
+                if extend:
+                    c.visible_until_ms = now + self.visibility_ms
+                c.commit = commit
+                result = await self._propose(command, context)
+                assert isinstance(result, internal_pb2.CqsEnqueueResponse)
+                return int(result.enqueued)
+
+            return await split(stream, flush, self.visibility_ms, context)
         finally:
             stream.close()
 
-    async def _split(
-        self, stream: _Frames, name: str, token: str, context: Call
-    ) -> cqs_pb2.ReEnqueueResponse:
-        loop = asyncio.get_running_loop()
-        vis_s = self.visibility_ms / 1000
-        extend_every = min(EXTEND_SECONDS, vis_s / 2)
-        last_extend = loop.time()
-        since_extend = 0
-        enqueued = 0
 
-        async def flush(items: list[cqs_pb2.SplitItem], commit: bool) -> None:
-            nonlocal last_extend, since_extend, enqueued
-            command = internal_pb2.Command()
-            c = command.cqs_enqueue
-            c.queue, c.original = name, token
-            c.items.extend(items)
-            now = self.wall_ms()
-            c.now_ms = now
-            since_extend += len(items)
-            if not commit and (
-                since_extend >= EXTEND_ITEMS or loop.time() - last_extend >= extend_every
-            ):
-                c.visible_until_ms = now + self.visibility_ms
-                last_extend, since_extend = loop.time(), 0
-            c.commit = commit
-            result = await self._propose(command, context)
-            assert isinstance(result, internal_pb2.CqsEnqueueResponse)
-            enqueued += result.enqueued
+# -- what a CQS call checks and how a ReEnqueue stream is read: shared with the
+# front's CQS (front/cqs.py), which runs the same calls over etcd
 
-        while True:
-            wake = last_extend + extend_every
-            if stream.partial_since is not None:
-                wake = min(wake, stream.partial_since + FLUSH_SECONDS)
-            frame = await stream.next(max(0.0, wake - loop.time()))
-            if frame is _STARTED:
-                continue
-            if frame is _TIMEOUT:
-                await flush(stream.take_partial(), False)  # due: buffered items, or an extension
-            elif isinstance(frame, list):
-                for i, item in enumerate(frame):
-                    try:
-                        check_split_item(item)
-                    except InvalidNotification as e:
-                        if i:
-                            await flush(frame[:i], False)
-                        await abort(context, e)
-                await flush(frame, False)
-            elif frame is _END:
-                await context.abort(Status.CANCELLED, "cqs: stream ended without a Footer")
-            else:
-                assert isinstance(frame, cqs_pb2.ReEnqueueRequest)
-                kind = frame.WhichOneof("payload")
-                if kind == "footer":
-                    await flush([], True)
-                    return cqs_pb2.ReEnqueueResponse(acknowledged=True, items_enqueued=enqueued)
-                await context.abort(
-                    Status.INVALID_ARGUMENT,
-                    "cqs: a second Header" if kind == "header" else "cqs: an empty message",
-                )
+
+def check_configure(request: cqs_pb2.CreateOrConfigureQueueRequest) -> str | None:
+    """Why a CreateOrConfigureQueue is refused (INVALID_ARGUMENT), or None."""
+    why = _bad_queue_name(request.queue_name)
+    if why is None and not 0 <= request.depth <= MAX_DEPTH:
+        why = f"depth must be 0..{MAX_DEPTH}"
+    if why is None and any(not s.dto_type for s in request.subscriptions):
+        why = "a subscription needs a dto_type"
+    return why
+
+
+def configured(
+    request: cqs_pb2.CreateOrConfigureQueueRequest, found: bytes | None, depth: int | None
+) -> bytes | None:
+    """The queue's config document after the request, from the one `found`
+    (None: no config yet) and the queue's depth (None: not created yet), which
+    stays; None when the request changes nothing."""
+    settings: dict[str, object] = {}
+    if found is not None:
+        try:
+            loaded = json.loads(found or b"{}")
+            settings = loaded if isinstance(loaded, dict) else {}
+        except ValueError:
+            settings = {}
+    cqs: dict[str, object] = {
+        "subscriptions": [
+            {"dto_type": s.dto_type, **({"alias_name": s.alias_name} if s.alias_name else {})}
+            for s in request.subscriptions
+        ],
+        "depth": depth if depth is not None else (request.depth or DEFAULT_DEPTH),
+    }
+    old = settings.get("cqs")
+    if isinstance(old, dict) and "prefetch" in old:
+        cqs["prefetch"] = old["prefetch"]
+    if old == cqs:
+        return None
+    settings["cqs"] = cqs
+    return json.dumps(settings).encode()
+
+
+def check_dequeue(request: cqs_pb2.BatchDequeueRequest) -> str | None:
+    """Why a BatchDequeue is refused (INVALID_ARGUMENT), or None."""
+    if request.max_notifications < 1:
+        return "cqs: max_notifications must be at least 1"
+    if request.prefix_depth < 0:
+        return "cqs: prefix_depth is negative"
+    return None
+
+
+async def read_header(stream: Frames, context: Call) -> tuple[str, str]:
+    """A ReEnqueue stream's Header: (queue name, ack token)."""
+    first = await stream.next(None)
+    if first is _END:
+        await context.abort(Status.CANCELLED, "cqs: stream ended without a Footer")
+    if not isinstance(first, cqs_pb2.ReEnqueueRequest) or first.WhichOneof("payload") != "header":
+        await context.abort(Status.INVALID_ARGUMENT, "cqs: the first message must be a Header")
+    assert isinstance(first, cqs_pb2.ReEnqueueRequest)
+    return first.header.queue_name, first.header.ack_token
+
+
+SplitFlush = Callable[[list[cqs_pb2.SplitItem], bool, bool], Awaitable[int]]
+"""Write a batch of a ReEnqueue's items durably: (items, extend the original's
+visibility, commit: acknowledge the original after them) -> items enqueued."""
+
+
+async def split(
+    stream: Frames, flush: SplitFlush, visibility_ms: int, context: Call
+) -> cqs_pb2.ReEnqueueResponse:
+    """The items after the Header, flushed in batches on their cadence (module
+    docstring), then the Footer's commit."""
+    loop = asyncio.get_running_loop()
+    extend_every = min(EXTEND_SECONDS, visibility_ms / 2000)
+    last_extend = loop.time()
+    since_extend = 0
+    enqueued = 0
+
+    async def write(items: list[cqs_pb2.SplitItem], commit: bool) -> None:
+        nonlocal last_extend, since_extend, enqueued
+        since_extend += len(items)
+        extend = not commit and (
+            since_extend >= EXTEND_ITEMS or loop.time() - last_extend >= extend_every
+        )
+        if extend:
+            last_extend, since_extend = loop.time(), 0
+        enqueued += await flush(items, extend, commit)
+
+    while True:
+        wake = last_extend + extend_every
+        if stream.partial_since is not None:
+            wake = min(wake, stream.partial_since + FLUSH_SECONDS)
+        frame = await stream.next(max(0.0, wake - loop.time()))
+        if frame is _STARTED:
+            continue
+        if frame is _TIMEOUT:
+            await write(stream.take_partial(), False)  # due: buffered items, or an extension
+        elif isinstance(frame, list):
+            for i, item in enumerate(frame):
+                try:
+                    check_split_item(item)
+                except InvalidNotification as e:
+                    if i:
+                        await write(frame[:i], False)
+                    await abort(context, e)
+            await write(frame, False)
+        elif frame is _END:
+            await context.abort(Status.CANCELLED, "cqs: stream ended without a Footer")
+        else:
+            assert isinstance(frame, cqs_pb2.ReEnqueueRequest)
+            kind = frame.WhichOneof("payload")
+            if kind == "footer":
+                await write([], True)
+                return cqs_pb2.ReEnqueueResponse(acknowledged=True, items_enqueued=enqueued)
+            await context.abort(
+                Status.INVALID_ARGUMENT,
+                "cqs: a second Header" if kind == "header" else "cqs: an empty message",
+            )
 
 
 def _bad_queue_name(name: str) -> str | None:
@@ -301,7 +342,7 @@ _TIMEOUT = object()
 _STARTED = object()  # a partial batch has begun
 
 
-class _Frames:
+class Frames:
     """The client stream, read by a task of its own. Items are gathered into
     batches of FLUSH_ITEMS; full batches and the other frames (each after the
     items sent before it) wait in a queue of two, so a fast client is held back
@@ -351,6 +392,19 @@ class _Frames:
             return await asyncio.wait_for(self._ready.get(), timeout)
         except TimeoutError:
             return _TIMEOUT
+
+    async def rest(self) -> AsyncIterator[cqs_pb2.ReEnqueueRequest]:
+        """The frames still to come, as they came (items one by one), until the
+        stream ends: what a front passes on to the queue's dispatching front."""
+        while True:
+            frame = await self.next(None)
+            if frame is _END:
+                return
+            if isinstance(frame, list):
+                for item in frame:
+                    yield cqs_pb2.ReEnqueueRequest(item=item)
+            elif isinstance(frame, cqs_pb2.ReEnqueueRequest):
+                yield frame
 
     def close(self) -> None:
         self._task.cancel()

@@ -99,6 +99,11 @@ def key_priority(key: bytes) -> int:
     return int.from_bytes(key[:KEY_BYTES], "big") - _KEY_BIAS
 
 
+def seq_of_key(key: bytes) -> int:
+    """The seq of a row key."""
+    return key_priority(key) & _SEQ_MASK
+
+
 def pack_n(n: int) -> bytes:
     """A count or index: one byte below 255, else 255 and four bytes."""
     return _SMALL[n] if n < _ESCAPE else b"\xff" + n.to_bytes(4, "big")
@@ -814,10 +819,14 @@ class SlaQueue:
         lists already in order."""
         pending: list[Entry] = []
         by_group: dict[int, list[Entry]] = {}
+        top = 0
         try:
             for key, value in rows:
                 if len(key) != KEY_BYTES:
                     raise DamagedRow(f"a cqs row key of {len(key)} bytes, not {KEY_BYTES}")
+                seq = seq_of_key(key)
+                if seq > top:
+                    top = seq
                 e, group = self._load_row(key, value)
                 if e is not None:
                     pending.append(e)
@@ -827,6 +836,8 @@ class SlaQueue:
                     members.append(e)
         except (IndexError, UnicodeDecodeError) as e:
             raise DamagedRow(f"a cqs row does not parse: {e!r}") from e
+        # seq numbers go on after the rows' (the sections may not say: rows in etcd)
+        self._seq = max(self._seq, top)
         self._all.update(pending)
         for group, members in by_group.items():
             lst = self._lists[group]
