@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 
 from etcdserverpb import rpc_pb2
+from queue_server.cqs.state import DTO_QUEUE_PREFIX, InvalidNotification, parse_publication
 from queue_server.errors import EtcdError
 from queue_server.front.session import FrontSession, prefix_end
 from queue_server.keyspace import grammar
@@ -35,6 +36,10 @@ from queue_server.keyspace.grammar import MalformedQueueKey
 from queue_server.kv import validation
 from queue_server.mq.state import QueueFull, QueueSettings
 
+PUBLICATIONS = grammar.SHORT + DTO_QUEUE_PREFIX
+CQS_CONFIG_REFUSED = '"cqs": on fronts over etcd a CQS queue is made with CreateOrConfigureQueue'
+"""A CQS queue over etcd has keys beside its config (front/cqs.py) that a put of
+the config alone would not write."""
 SETTINGS_TTL = 1.0
 """Seconds a front trusts what it read of a queue's settings."""
 UNCHECKED_TXN_OPS = 1 << 30
@@ -53,6 +58,11 @@ def check_queue_write(key: bytes, value: bytes) -> None:
     if not key.startswith(grammar.PREFIXES):
         return
     grammar.check_put(key)
+    if key.startswith(PUBLICATIONS):
+        parsed = grammar.parse(key)
+        if parsed is not None and parsed.kind == "produce" and parsed.spelling == grammar.SHORT:
+            parse_publication(parsed.name[len(DTO_QUEUE_PREFIX) :].decode(errors="replace"), value)
+        return
     if not key.endswith(b"/config"):
         return
     parsed = grammar.parse(key)
@@ -60,7 +70,7 @@ def check_queue_write(key: bytes, value: bytes) -> None:
         return
     config = parse_config(key, value)
     if "cqs" in config:
-        raise invalid(key, '"cqs": CQS queues are not served by fronts over etcd')
+        raise invalid(key, CQS_CONFIG_REFUSED)
     fields = ConfigFields(key, config, strict=True)
     fields.only(QueueSettings.FIELDS)
     QueueSettings.of(fields)
@@ -111,7 +121,7 @@ class Admission:
         try:
             # one walk: a queue refusal is raised only when etcd's checks pass
             validation.check_txn(request, UNCHECKED_TXN_OPS, check_queue_write)
-        except (MalformedQueueKey, InvalidQueueConfig):
+        except (MalformedQueueKey, InvalidQueueConfig, InvalidNotification):
             raise
         except EtcdError:
             return  # etcd's own refusal: etcd answers it

@@ -55,6 +55,11 @@ RETRY_ATTEMPTS = 60
 of a backend that does not answer."""
 
 
+CQS_CONSUMER_REFUSED = (
+    "etcdserver: a CQS queue over etcd is consumed with BatchDequeue, not with a watch"
+)
+
+
 class Refused(Exception):
     """A stream request answered by the front itself: `response` goes to the
     client, nothing to the backend."""
@@ -109,6 +114,8 @@ class QueueFronts:
         self.live: dict[bytes, grammar.QueueKey] = {}
         """The registrations of this front's consumer watches."""
         self.dispatchers: dict[bytes, Dispatcher] = {}
+        self.cqs_queues: set[str] = set()
+        """The CQS queues over etcd (`CqsFronts.known`): not watch-consumed here."""
         self._tasks: set[asyncio.Task[None]] = set()
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -140,6 +147,10 @@ class QueueFronts:
             if not grammar.valid_consumer_id(parsed.consumer):
                 state.creating.append(None)
                 return data
+            if parsed.spelling == grammar.SHORT and parsed.name.decode(errors="replace") in (
+                self.cqs_queues
+            ):
+                raise Refused(_refused_watch(CQS_CONSUMER_REFUSED))
             registration = bytes(create.key)
             revision = await self.register(registration, parsed)
             log.info("consumer registered key=%s", grammar.show(registration))

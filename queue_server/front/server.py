@@ -17,12 +17,14 @@ from urllib.parse import parse_qs
 import grpc
 from grpc import aio
 
-from etcdserverpb import rpc_pb2
+from etcdserverpb import cqs_pb2, rpc_pb2
 from queue_server.alarms import AlarmTable
 from queue_server.api.gateway_routes import GATEWAY_PAGES, gateway_settings
 from queue_server.api.observer import RpcObserver
+from queue_server.api.service_table import service_methods
 from queue_server.config import GRPC_OVERHEAD_BYTES, Config, secure_url, url_to_address
 from queue_server.errors import EtcdError, RequestTimeout
+from queue_server.front.cqs import CqsFronts, FrontCqsService
 from queue_server.front.forward import forward_methods
 from queue_server.front.queues import QueueFronts
 from queue_server.front.upstream import (
@@ -48,6 +50,7 @@ from queue_server.transport.server import NativeServer
 
 log = logging.getLogger(__name__)
 
+CQS_SERVICE = cqs_pb2.DESCRIPTOR.services_by_name["DtoChangeQueueService"]
 STOP_GRACE_SECONDS = 5.0
 STOPPED_MESSAGE = "etcdserver: server stopped"
 HEALTH_KEY = b"health"
@@ -78,6 +81,7 @@ class FrontServer:
         self.native: NativeServer | None = None
         self.health: HealthListener | None = None
         self.queues: QueueFronts | None = None
+        self.cqs: CqsFronts | None = None
 
     async def start(self) -> None:
         cfg = self.config
@@ -97,11 +101,17 @@ class FrontServer:
         except (TLSError, UpstreamError) as e:
             raise FrontStartError(str(e)) from e
         self.queues = QueueFronts(self.upstream)
+        self.cqs = CqsFronts(self.queues.session)
+        self.queues.cqs_queues = self.cqs.known
         self.metrics.registry.register(self.queues.figures)
         observer = RpcObserver(self.metrics.registry, cfg.warning_apply_duration)
-        table = MethodTable(forward_methods(self.upstream, self.queues)).wrapped(
-            observer.middleware
-        )
+        cqs_service = FrontCqsService(self.cqs, cfg.cqs_visibility_timeout)
+        table = MethodTable(
+            [
+                *forward_methods(self.upstream, self.queues),
+                *service_methods(CQS_SERVICE, cqs_service),
+            ]
+        ).wrapped(observer.middleware)
         pages = dict.fromkeys(GATEWAY_PAGES, self._health_page)
         self.native = NativeServer(
             ConnectionSettings(
@@ -131,6 +141,7 @@ class FrontServer:
             if not self.bound_ports:
                 self.queues.session.advertise(self._reachable_at(host, bound))
             self.bound_ports.append(bound)
+        self.cqs.start()
         self.health = HealthListener(
             HealthChecker(
                 AlarmTable(),
@@ -196,6 +207,8 @@ class FrontServer:
             await self.native.stop(grace)
         if self.health is not None:
             await self.health.stop()
+        if self.cqs is not None:
+            await self.cqs.stop()
         if self.queues is not None:
             await self.queues.stop()
         if self.upstream is not None:

@@ -1,0 +1,238 @@
+"""CQS through fronts over a real 3-member etcd (queue_server/front/cqs.py).
+
+A queue made through one front, published to through another, dequeued,
+acknowledged and split through either: seed 000's and seed 001's contracts as
+the embedded server keeps them (tests/integration/test_cqs.py), with every
+notification a key in etcd. When the dispatching front is SIGKILLed, another
+front rebuilds the queue from etcd: what was pending is still pending, in its
+order, and what was in flight stays in flight until its visibility timeout.
+Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from etcdserverpb import cqs_pb2, rpc_pb2, rpc_pb2_grpc
+from tests.integration.cqs_support import Cqs, footer, header, ids, item, status_of, unique
+from tests.support.processes import EtcdCluster, FrontProcess
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(shutil.which("etcd") is None, reason="needs Debian's etcd-server"),
+]
+
+WAIT = 15.0
+VISIBILITY = 2.0
+"""The fronts' --cqs-visibility-timeout: short, so expiry is seen within the test."""
+SLA = "2026-06-01T10:00:0{}Z"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    etcd = EtcdCluster(tmp_path_factory.mktemp("etcd3cqs")).start()
+    yield etcd
+    etcd.stop()
+
+
+@pytest.fixture
+def fronts(cluster: EtcdCluster, tmp_path: Path) -> Iterator[list[FrontProcess]]:
+    procs = [
+        FrontProcess(
+            tmp_path / f"front{i}.etcd",
+            cluster.endpoints,
+            ["--cqs-visibility-timeout", f"{VISIBILITY}s"],
+        ).start()
+        for i in (1, 2)
+    ]
+    yield procs
+    for proc in procs:
+        if proc.proc is not None and proc.proc.poll() is None:
+            proc.stop()
+
+
+def cqs(front: FrontProcess) -> Cqs:
+    return Cqs(grpc.insecure_channel(front.endpoint))
+
+
+def etcd_keys(cluster: EtcdCluster, prefix: bytes) -> list[bytes]:
+    """The keys under `prefix`, read from etcd itself."""
+    with grpc.insecure_channel(cluster.endpoints[0]) as ch:
+        end = prefix[:-1] + bytes([prefix[-1] + 1])
+        reply = rpc_pb2_grpc.KVStub(ch).Range(
+            rpc_pb2.RangeRequest(key=prefix, range_end=end, keys_only=True), timeout=WAIT
+        )
+    return [kv.key for kv in reply.kvs]
+
+
+def dispatcher_of(cluster: EtcdCluster, queue: str) -> bytes:
+    with grpc.insecure_channel(cluster.endpoints[0]) as ch:
+        reply = rpc_pb2_grpc.KVStub(ch).Range(
+            rpc_pb2.RangeRequest(key=f"/q/{queue}".encode()), timeout=WAIT
+        )
+    return bytes(reply.kvs[0].value) if reply.kvs else b""
+
+
+def wait_for(what: str, check: object, timeout: float = WAIT) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        time.sleep(0.05)
+
+
+def dequeue_until(c: Cqs, queue: str, n: int, **kwargs: int) -> list[cqs_pb2.DtoChangeNotification]:
+    """Long-poll until `n` notifications came (bounded)."""
+    got: list[cqs_pb2.DtoChangeNotification] = []
+    deadline = time.monotonic() + WAIT
+    while len(got) < n:
+        assert time.monotonic() < deadline, f"{len(got)} of {n} within {WAIT}s"
+        got.extend(c.dequeue(queue, wait_ms=1000, **kwargs))
+    return got
+
+
+def test_publish_on_one_front_dequeue_and_ack_through_the_other(
+    fronts: list[FrontProcess], cluster: EtcdCluster
+) -> None:
+    a, b = cqs(fronts[0]), cqs(fronts[1])
+    queue, dto = unique("renderer"), unique("storeesl.v1")
+    a.configure(queue, [dto])
+    config, _ = a.config(queue)
+    assert config == {"cqs": {"subscriptions": [{"dto_type": dto}], "depth": 4}}
+    # most urgent first; equal SLA: more segments first; the rest of its store follow
+    b.publish(dto, "t/a/s/one/esls/2", SLA.format(3))
+    b.publish(dto, "t/a/s/two/esls/1", SLA.format(1))
+    b.publish(dto, "t/a/s/one/esls/1", SLA.format(2))
+    b.publish(dto, "t/a/s/two", SLA.format(1))
+    first = dequeue_until(a, queue, 2, max_notifications=10)
+    assert ids(first) == ["t/a/s/two/esls/1", "t/a/s/two"], ids(first)
+    rest = dequeue_until(b, queue, 2, max_notifications=10)
+    assert ids(rest) == ["t/a/s/one/esls/1", "t/a/s/one/esls/2"]
+    # each notification is a key in etcd while it is held
+    assert len(etcd_keys(cluster, f"/q/{queue}/n/".encode())) == 4
+    b.ack(queue, [n.ack_token for n in first])  # acks through the other front
+    a.ack(queue, [n.ack_token for n in rest])
+    wait_for("rows gone", lambda: not etcd_keys(cluster, f"/q/{queue}/n/".encode()))
+    assert a.dequeue(queue) == []
+    assert etcd_keys(cluster, f"/q/dto:{dto}/p/".encode()) == []  # fanned out and gone
+
+
+def test_a_change_published_again_while_pending_merges(
+    fronts: list[FrontProcess], cluster: EtcdCluster
+) -> None:
+    a, b = cqs(fronts[0]), cqs(fronts[1])
+    queue, dto = unique("merge"), unique("storeesl.v1")
+    a.configure(queue, [dto])
+    b.publish(dto, "t/a/s/x/esls/1", SLA.format(5), tracking_id="late")
+    b.publish(dto, "t/a/s/x/esls/1", SLA.format(2), tracking_id="soon")
+    wait_for(
+        "both taken into the queue",
+        lambda: (
+            not etcd_keys(cluster, f"/q/dto:{dto}/p/".encode())
+            and not etcd_keys(cluster, f"/q/{queue}/in/".encode())
+        ),
+    )
+    got = a.dequeue(queue)
+    assert a.dequeue(queue) == []
+    assert len(got) == 1, got
+    assert got[0].tracking_id == "soon" and got[0].sla_timestamp.seconds % 60 == 2
+
+
+def test_visibility_expiry_gives_a_new_token_through_either_front(
+    fronts: list[FrontProcess],
+) -> None:
+    a, b = cqs(fronts[0]), cqs(fronts[1])
+    queue, dto = unique("expiry"), unique("storeesl.v1")
+    a.configure(queue, [dto])
+    a.publish(dto, "t/a/s/x/esls/1", SLA.format(1))
+    held = dequeue_until(b, queue, 1)[0]
+    assert a.dequeue(queue) == []  # in flight: invisible
+    started = time.monotonic()
+    again = a.dequeue(queue, wait_ms=int((VISIBILITY + 5) * 1000))
+    assert len(again) == 1 and again[0].dto_id == held.dto_id
+    assert again[0].ack_token != held.ack_token
+    assert time.monotonic() - started >= VISIBILITY - 0.5
+    b.ack(queue, [held.ack_token])  # the dead token is ignored
+    assert a.token_status(queue, again[0].ack_token) == grpc.StatusCode.CANCELLED
+    assert a.token_status(queue, held.ack_token) == grpc.StatusCode.FAILED_PRECONDITION
+    b.ack(queue, [again[0].ack_token])
+
+
+def test_re_enqueue_through_the_front_that_does_not_dispatch(
+    fronts: list[FrontProcess], cluster: EtcdCluster
+) -> None:
+    a, b = cqs(fronts[0]), cqs(fronts[1])
+    queue, dto = unique("split"), unique("design.v1")
+    a.configure(queue, [dto])
+    a.publish(dto, "t/a/designs/7", SLA.format(4), tracking_id="job-7")
+    original = dequeue_until(a, queue, 1)[0]
+    holder = dispatcher_of(cluster, queue)
+    other = next(
+        c for c, f in zip((a, b), fronts, strict=True) if str(f.port) not in holder.decode()
+    )
+    items = [item("esl.v1", parent_id=f"t/a/s/{s}/esls") for s in ("one", "two")]
+    items += [item("esl.v1", dto_id=f"t/a/s/one/esls/{n}") for n in range(3)]
+    reply = other.reenqueue(queue, original.ack_token, items)
+    assert reply.acknowledged and reply.items_enqueued == 5
+    got = dequeue_until(other, queue, 5, max_notifications=10, prefix_depth=1)
+    # inherited SLA and tracking id; longer ids first at equal SLA
+    assert all(n.tracking_id == "job-7" and n.sla_timestamp == original.sla_timestamp for n in got)
+    assert [n.WhichOneof("urn") for n in got] == ["dto_id"] * 3 + ["parent_id"] * 2
+    assert other.token_status(queue, original.ack_token) == grpc.StatusCode.FAILED_PRECONDITION
+    # a bad item mid-stream: INVALID_ARGUMENT, the items before it stay queued
+    token = got[0].ack_token
+    bad = [header(queue, token)]
+    bad += [cqs_pb2.ReEnqueueRequest(item=item("esl.v1", dto_id="t/a/s/z/1"))]
+    bad += [cqs_pb2.ReEnqueueRequest(item=cqs_pb2.SplitItem(dto_type="esl.v1")), footer()]
+    assert status_of(lambda: other.reenqueue_frames(bad)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert ids(dequeue_until(a, queue, 1)) == ["t/a/s/z/1"]
+
+
+def test_unknown_queue_and_bad_requests_are_refused_as_embedded(
+    fronts: list[FrontProcess],
+) -> None:
+    a = cqs(fronts[0])
+    assert status_of(lambda: a.dequeue(unique("nope"))) == grpc.StatusCode.NOT_FOUND
+    for bad in ("", "a/b", "dto:x"):
+        assert status_of(lambda bad=bad: a.configure(bad, ["x"])) == (
+            grpc.StatusCode.INVALID_ARGUMENT
+        )
+    queue, dto = unique("bad"), unique("t.v1")
+    a.configure(queue, [dto])
+    assert status_of(lambda: a.dequeue(queue, max_notifications=0)) == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
+    # a publication that does not parse is refused by the front, nothing written
+    assert status_of(lambda: a.publish_raw(dto, b"{not json")) == grpc.StatusCode.INVALID_ARGUMENT
+    assert [k for k in a.published_keys(dto) if b"/p/" in k] == []
+    # a config with a cqs object put straight is refused: fronts make CQS queues
+    put = rpc_pb2.PutRequest(key=f"/q/{unique('raw')}/config".encode(), value=b'{"cqs": {}}')
+    assert status_of(lambda: a.kv.Put(put, timeout=WAIT)) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_the_dispatching_front_killed_another_rebuilds_the_queue_from_etcd(
+    fronts: list[FrontProcess], cluster: EtcdCluster
+) -> None:
+    a, b = cqs(fronts[0]), cqs(fronts[1])
+    queue, dto = unique("takeover"), unique("storeesl.v1")
+    a.configure(queue, [dto])
+    for n in range(6):
+        b.publish(dto, f"t/a/s/{n % 2}/esls/{n}", SLA.format(n))
+    held = dequeue_until(a, queue, 1, max_notifications=1)[0]
+    assert held.dto_id == "t/a/s/0/esls/0"
+    holder = dispatcher_of(cluster, queue)
+    victim = next(f for f in fronts if holder.endswith(b":%d" % f.port))
+    survivor = cqs(next(f for f in fronts if f is not victim))
+    victim.kill()
+    # pending, in order, through the survivor; the held one stays held
+    got = dequeue_until(survivor, queue, 5, max_notifications=1)
+    assert ids(got) == [f"t/a/s/{n % 2}/esls/{n}" for n in range(1, 6)]
+    assert dispatcher_of(cluster, queue) != holder
+    assert survivor.token_status(queue, held.ack_token) == grpc.StatusCode.CANCELLED
+    survivor.ack(queue, [held.ack_token, *(n.ack_token for n in got)])
+    wait_for("rows gone", lambda: not etcd_keys(cluster, f"/q/{queue}/n/".encode()))
