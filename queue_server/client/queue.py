@@ -23,8 +23,9 @@ Theory of operation:
   `mod_revision` is the revision the delivery was handed out at, and the
   key's `version` counts the times the message came back (`delivery_count`).
 
-Imports the key grammar (`queue_server.keyspace.grammar`, pure) and nothing
-else of the server.
+Imports nothing of the server: the few key shapes it needs are spelled here
+(the server's grammar is `queue_server.keyspace.grammar`; the unit tests hold
+the two to the same answers).
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ from queue_server.client.errors import (
     DeliveryLost,
     NoDeliveryLease,
 )
-from queue_server.keyspace import grammar
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,30 @@ def producer_key(name: str, key: str | bytes) -> bytes:
 def config_key(name: str) -> bytes:
     """`/q/{name}/config`: the queue's settings, a JSON object."""
     return b"/q/%s/config" % _segment("queue name", name)
+
+
+IDX_DIGITS = 16
+"""Digits of `{idx}` in a stored message key (zero-padded: key order is enqueue order)."""
+_SPELLINGS = ((b"/q/", b"c"), (b"/queue/", b"consumer"))
+"""Each spelling's prefix and consumer word."""
+
+
+def stored_message(key: bytes) -> tuple[bytes, int, bytes] | None:
+    """A delivered key's message: (the stored key `/q/{name}/{idx}/{key}`, `idx`,
+    `{key}`), from that key itself or from a handed-over delivery key
+    `/q/{name}/c/{uuid}/{idx}/{key}` (either spelling); None for another shape."""
+    spelling = next((sp for sp in _SPELLINGS if key.startswith(sp[0])), None)
+    if spelling is None:
+        return None
+    prefix, consume = spelling
+    parts = key[len(prefix) :].split(b"/")
+    if len(parts) == 5 and parts[1] == consume and parts[2]:
+        parts = [parts[0], parts[3], parts[4]]
+    if len(parts) != 3 or not parts[0] or not parts[1].isdigit() or not parts[2]:
+        return None
+    name, digits, suffix = parts
+    idx = int(digits)
+    return b"%s%s/%0*d/%s" % (prefix, name, IDX_DIGITS, idx, suffix), idx, suffix
 
 
 def message_range(name: str) -> tuple[bytes, bytes]:
@@ -272,11 +296,7 @@ def message_from_event(
 ) -> Message:
     """A delivery PUT event's key-value as a Message."""
     key = bytes(kv.key)
-    parsed = grammar.parse(key)
-    stored, idx, suffix = key, 0, key.rsplit(b"/", 1)[-1]
-    if parsed is not None and parsed.kind in ("message", "delivery"):
-        idx, suffix = parsed.idx, parsed.key
-        stored = grammar.message_key(parsed.spelling, parsed.name, parsed.idx, parsed.key)
+    stored, idx, suffix = stored_message(key) or (key, 0, key.rsplit(b"/", 1)[-1])
     return Message(
         queue=name,
         key=key,

@@ -14,7 +14,9 @@ from queue_server.client.queue import (
     consumer_key,
     dead_letter_name,
     message_from_event,
+    stored_message,
 )
+from queue_server.keyspace import grammar
 
 pytestmark = pytest.mark.unit
 
@@ -56,6 +58,41 @@ def test_a_delivery_names_its_stored_message(
     assert m.compare().key == stored and m.compare().create_revision == 5
     assert m.compare().target == rpc_pb2.Compare.CREATE
     assert m.ack_op().request_delete_range.key == delivered
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        b"/q/jobs/0000000000000007/job-7",
+        b"/q/jobs/7/job-7",  # not padded: the stored key is
+        f"/q/jobs/c/{UUID}/0000000000000007/job-7".encode(),
+        f"/queue/jobs/consumer/{UUID}/0000000000000002/x".encode(),
+        b"/queue/jobs/0000000000000002/x",
+        b"/q/jobs/consumer/u/0000000000000002/x",  # the other spelling's word
+        b"/queue/jobs/c/u/0000000000000002/x",
+        b"/q/jobs/c//0000000000000002/x",
+        b"/q/jobs/c/u/02x/x",
+        b"/q/jobs/c/u/0000000000000002/",
+        b"/q//0000000000000002/x",
+        b"/q/jobs/0000000000000002/",
+        b"/q/jobs/0000000000000002/x/y",
+        b"/q/jobs/p/x",
+        b"/q/jobs/c/u",
+        b"/q/jobs/config",
+        b"/q/jobs",
+        b"/q/",
+        b"/other/jobs/0000000000000002/x",
+    ],
+)
+def test_the_client_reads_message_keys_as_the_server_does(key: bytes) -> None:
+    """The client spells its own key shapes (it imports nothing of the server):
+    they must answer as the server's grammar does."""
+    parsed = grammar.parse(key)
+    if parsed is None or parsed.kind not in ("message", "delivery"):
+        assert stored_message(key) is None
+    else:
+        stored = grammar.message_key(parsed.spelling, parsed.name, parsed.idx, parsed.key)
+        assert stored_message(key) == (stored, parsed.idx, parsed.key)
 
 
 def test_endpoints() -> None:
