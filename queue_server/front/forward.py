@@ -8,7 +8,8 @@ message unchanged. Nothing is parsed on the gRPC path; requests from the
 HTTP/JSON gateway arrive as messages and are serialized once.
 
 Streams are forwarded message by message in both directions: one backend
-stream per client stream. When either side ends, the other is ended too. The
+stream per client stream, but for Watch, whose watches of one shape share a
+backend watch (`watch_coalesce.py`). When either side ends, the other is ended too. The
 stream handlers are coroutines that write (`Call.write`), not async generators:
 a cancelled call then runs their `finally` at once, where a generator's would
 wait for the garbage collector, and with it the end of the backend stream and
@@ -30,6 +31,7 @@ from queue_server.errors import EtcdError
 from queue_server.front.h2_client import CallError
 from queue_server.front.queues import QueueFronts, Refused
 from queue_server.front.upstream import Upstream
+from queue_server.front.watch_coalesce import WatchHub
 from queue_server.transport.methods import Call, Handler, Method
 from queue_server.transport.status import Status
 
@@ -205,6 +207,14 @@ def _handler(upstream: Upstream, path: str, client_streams: bool, server_streams
     return make(upstream, path)
 
 
+def _watch(upstream: Upstream, queues: QueueFronts | None) -> Handler:
+    """Watch: client watches of one shape share a backend watch (watch_coalesce.py);
+    the queues see the rest, on the client's own backend stream."""
+    if queues is None:
+        return WatchHub(upstream).handler
+    return WatchHub(upstream, queues.watch_tap, queues.shares_watch).handler
+
+
 def forward_methods(upstream: Upstream, queues: QueueFronts | None = None) -> list[Method]:
     """Every method of `SERVICES`, forwarded to `upstream`; with `queues`, Watch
     lets the queues see consumer watches."""
@@ -217,8 +227,8 @@ def forward_methods(upstream: Upstream, queues: QueueFronts | None = None) -> li
                 handler = _unary(upstream, path, checks[path])
             else:
                 handler = _handler(upstream, path, m.client_streaming, m.server_streaming)
-            if path == WATCH_PATH and queues is not None:
-                handler = _bidi_stream(upstream, path, queues.watch_tap)
+            if path == WATCH_PATH:
+                handler = _watch(upstream, queues)
             methods.append(
                 Method(
                     service=service.full_name,

@@ -128,6 +128,14 @@ class QueueFronts:
     def watch_tap(self) -> ConsumerTap:
         return ConsumerTap(self)
 
+    def shares_watch(self, create: rpc_pb2.WatchCreateRequest) -> bool:
+        """Whether a create may share a backend watch with others
+        (`watch_coalesce.py`): not a queue key, so `on_watch_request` would
+        neither refuse nor rewrite it. The queues' watches keep a stream of
+        their own, as they are."""
+        problem = grammar.watch_problem(create.key, create.range_end)
+        return problem is None and grammar.parse(create.key) is None
+
     async def on_watch_request(self, data: bytes, state: WatchStreamState) -> bytes:
         """The request to send the backend in place of `data`."""
         request = rpc_pb2.WatchRequest.FromString(data)
