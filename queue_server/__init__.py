@@ -20,7 +20,9 @@ reads this map and checks every import against it.
     forwarded as bytes (`forward.py`), the backend connection (`upstream.py`,
     and our HTTP/2 client for unary calls, `h2_client.py`), the etcd-key queue
     over etcd (`queues.py`: consumer registrations, one dispatcher per queue),
-    its lifecycle (`server.py`).
+    CQS over etcd (`cqs.py`, `cqs_queue.py`, `cqs_fanout.py`), the election
+    they share (`election.py`), coalesced watches (`watch_coalesce.py`), its
+    lifecycle (`server.py`).
   - `restore.py` `queue-server restore`: a data dir from a snapshot file.
 - layer 7: what the ports serve
   - `api/` gRPC servicers, one module per etcd service (and `cqs.py` for the
