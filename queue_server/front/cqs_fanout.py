@@ -29,6 +29,7 @@ from queue_server.cqs.state import InvalidNotification, Published, parse_publica
 from queue_server.front.cqs_queue import INBOX, SPELLING
 from queue_server.front.dispatcher import txn_chunks
 from queue_server.front.election import RegistryHolder
+from queue_server.front.figures import figures_key, read_counts
 from queue_server.front.session import FrontSession, delete_op, prefix_end, put_op
 from queue_server.keyspace import grammar
 
@@ -83,10 +84,16 @@ class FanOut(RegistryHolder):
                         request_range=rpc_pb2.RangeRequest(
                             key=self.prefix, range_end=prefix_end(self.prefix)
                         )
-                    )
+                    ),
+                    rpc_pb2.RequestOp(
+                        request_range=rpc_pb2.RangeRequest(key=figures_key(self.registry))
+                    ),
                 ]
             )
         )
+        for kv in reply.responses[1].response_range.kvs:  # count on from the last holder
+            counts = read_counts(kv.value, ("published", "dropped"))
+            self.published, self.dropped = counts.get("published", 0), counts.get("dropped", 0)
         kvs = reply.responses[0].response_range.kvs
         for kv in kvs:
             if kv.key.startswith(self.subscription_prefix):
@@ -145,6 +152,16 @@ class FanOut(RegistryHolder):
     async def _flush(self) -> bool:
         """Send the moves, guarded; False when deposed."""
         ops, self.ops = self.ops, []
+        if ops:  # the counts changed: the record rides along
+            record = {
+                "kind": "fanout",
+                "name": f"dto:{self.dto_type}",
+                "dispatcher": self.session.front_id.decode(errors="replace"),
+                "published": self.published,
+                "dropped": self.dropped,
+                "subscribers": sorted(self.subscribers),
+            }
+            ops.append(put_op(figures_key(self.registry), json.dumps(record).encode()))
         for chunk in txn_chunks(ops):
             reply = await self.session.txn(
                 rpc_pb2.TxnRequest(compare=[self.guard()], success=chunk)

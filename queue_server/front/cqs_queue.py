@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 
@@ -50,6 +51,7 @@ from queue_server.cqs.tree import DamagedRow, RowJournal, SlaQueue, table_key
 from queue_server.errors import EtcdError
 from queue_server.front.dispatcher import txn_chunks
 from queue_server.front.election import RegistryHolder
+from queue_server.front.figures import WRITE_SECONDS, figures_key
 from queue_server.front.session import FrontSession, delete_op, prefix_end, put_op
 from queue_server.keyspace import grammar
 from queue_server.keyspace.config import ConfigFields, parse_config
@@ -111,6 +113,8 @@ class CqsDispatcher(RegistryHolder):
         """Publication and enqueue keys taken into the tree, to delete with its rows."""
         self.ours: set[int] = set()
         self.ready = asyncio.Event()
+        self.figures_dirty = True
+        self.figures_written = float("-inf")
         self._lock = asyncio.Lock()
         self._broken = asyncio.Event()
         self._changed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -213,6 +217,13 @@ class CqsDispatcher(RegistryHolder):
                 for key, value in rows.items()
             ]
             ops.extend(delete_op(key) for key in taken)  # after the rows that hold them
+            self.figures_dirty = self.figures_dirty or bool(ops)
+            if self._figures_due():
+                ops.append(put_op(figures_key(self.registry), self.figures()))
+                self.figures_dirty = False
+                self.figures_written = time.monotonic()
+            if not ops:
+                return
             try:
                 for chunk in txn_chunks(ops):
                     reply = await self.session.txn(
@@ -227,6 +238,23 @@ class CqsDispatcher(RegistryHolder):
                 raise
             if len(self.ours) > 4096:
                 self.ours = set(sorted(self.ours)[-2048:])
+
+    def _figures_due(self) -> bool:
+        return self.figures_dirty and time.monotonic() - self.figures_written >= WRITE_SECONDS
+
+    def figures(self) -> bytes:
+        """The queue's record for every front's /metrics and dashboard (figures.py)."""
+        assert self.tree is not None
+        record = {
+            "kind": "cqs",
+            "name": self.name,
+            "dispatcher": self.session.front_id.decode(errors="replace"),
+            "pending": len(self.tree),
+            "in_flight": self.tree.in_flight,
+            "subscriptions": [{"dto_type": t, "alias_name": a} for t, a in self.subscriptions],
+            "most_urgent_sla_us": self.tree.most_urgent_sla_us(),
+        }
+        return json.dumps(record, separators=(",", ":")).encode()
 
     def _row_key(self, journal_key: bytes) -> bytes:
         return self.rows + journal_key[_TABLE:].hex().encode()
@@ -251,6 +279,7 @@ class CqsDispatcher(RegistryHolder):
         """Rebuild from one range, then follow the watch until deposed."""
         self.tree = None
         self._broken.clear()
+        self.figures_dirty = True
         self.journal.rows = {}
         self.taken = []
         reply = await self.session.txn(
@@ -325,6 +354,8 @@ class CqsDispatcher(RegistryHolder):
                 assert tree is not None
                 next_visible = tree.earliest_visible()
                 timeout = None if next_visible is None else max(0, next_visible - wall_ms()) / 1000
+                if self.figures_dirty:  # the record is due within a second
+                    timeout = min(timeout if timeout is not None else WRITE_SECONDS, WRITE_SECONDS)
                 got = asyncio.ensure_future(responses.get())
                 done, _ = await asyncio.wait(
                     {got, broken}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
@@ -332,10 +363,11 @@ class CqsDispatcher(RegistryHolder):
                 if broken in done:
                     got.cancel()
                     return
-                if got not in done:  # an in-flight notification is visible again
+                if got not in done:  # an in-flight one is visible again, or the figures are due
                     got.cancel()
-                    if tree.expire(wall_ms()):
-                        await self._commit()
+                    expired = tree.expire(wall_ms())
+                    await self._commit()
+                    if expired:
                         self._notify()
                     continue
                 events = got.result()
@@ -381,6 +413,7 @@ class CqsDispatcher(RegistryHolder):
                 )
             ),
             delete_op(self.index_key),
+            delete_op(figures_key(self.registry)),
         ]
         ops.extend(delete_op(subscription_key(t, self.name)) for t, _ in self.subscriptions)
         try:

@@ -50,15 +50,20 @@ def figures_key(registry: bytes) -> bytes:
     return FIGURES_PREFIX + registry
 
 
-def read_counters(value: bytes) -> dict[str, int]:
-    """The counters of a record (absent or broken: none)."""
+def read_counts(value: bytes, names: tuple[str, ...]) -> dict[str, int]:
+    """The integer fields `names` of a record (absent or broken: none)."""
     try:
         record = json.loads(value)
     except ValueError:
         return {}
     if not isinstance(record, dict):
         return {}
-    return {name: int(record[name]) for name in COUNTERS if isinstance(record.get(name), int)}
+    return {name: int(record[name]) for name in names if isinstance(record.get(name), int)}
+
+
+def read_counters(value: bytes) -> dict[str, int]:
+    """The etcd-key queue's counters of a record."""
+    return read_counts(value, COUNTERS)
 
 
 class FrontFigures:
@@ -68,6 +73,9 @@ class FrontFigures:
         self.session = session
         self.clock = clock
         self.rows: list[dict[str, Any]] = []
+        """The etcd-key queues' records."""
+        self.cqs_rows: list[dict[str, Any]] = []
+        self.fanout_rows: list[dict[str, Any]] = []
         self.revision = 0
         self._read_at = float("-inf")
         self._reading: asyncio.Task[None] | None = None
@@ -94,15 +102,17 @@ class FrontFigures:
         except Exception as e:  # the figures are best effort: the next render tries again
             log.warning("queue figures not read: %s", e)
             return
-        rows = []
+        kinds: dict[str, list[dict[str, Any]]] = {"queue": [], "cqs": [], "fanout": []}
         for kv in reply.kvs:
             try:
                 record = json.loads(kv.value)
             except ValueError:
                 continue
             if isinstance(record, dict) and isinstance(record.get("name"), str):
-                rows.append(record)
-        self.rows = sorted(rows, key=lambda r: str(r["name"]))
+                kinds.get(str(record.pop("kind", "queue")), []).append(record)
+        self.rows, self.cqs_rows, self.fanout_rows = (
+            sorted(kinds[k], key=lambda r: str(r["name"])) for k in ("queue", "cqs", "fanout")
+        )
         self.revision = int(reply.header.revision)
 
     def collect(self) -> Iterator[Metric]:
@@ -144,7 +154,41 @@ class FrontFigures:
             dispatcher.add_metric([row["name"], str(row.get("dispatcher", ""))], 1)
             for field, counter in counters.items():
                 counter.add_metric(name, _number(row.get(field)))
+        for row in self.cqs_rows:
+            dispatcher.add_metric([row["name"], str(row.get("dispatcher", ""))], 1)
         yield from (*gauges.values(), consumers, dispatcher, *counters.values())
+        yield from self._cqs()
+
+    def _cqs(self) -> Iterator[Metric]:
+        """The embedded server's `queue_server_cqs_*` families, from the CQS records."""
+        labels = ["queue"]
+        pending = GaugeMetricFamily(
+            "queue_server_cqs_pending", "Notifications waiting for a dequeue.", labels=labels
+        )
+        in_flight = GaugeMetricFamily(
+            "queue_server_cqs_in_flight",
+            "Notifications dequeued and not acknowledged.",
+            labels=labels,
+        )
+        lag = GaugeMetricFamily(
+            "queue_server_cqs_sla_lag_seconds",
+            "Now minus the most urgent pending notification's SLA.",
+            labels=labels,
+        )
+        for row in _cqs_rows(self.cqs_rows):
+            pending.add_metric([row["name"]], _number(row["pending"]))
+            in_flight.add_metric([row["name"]], _number(row["in_flight"]))
+            if row["sla_lag_s"] is not None:
+                lag.add_metric([row["name"]], row["sla_lag_s"])
+        published = CounterMetricFamily(
+            "queue_server_cqs_published", "Publications applied to CQS queues."
+        )
+        published.add_metric([], sum(_number(r.get("published")) for r in self.fanout_rows))
+        dropped = CounterMetricFamily(
+            "queue_server_cqs_dropped", "Publications no CQS queue subscribed to."
+        )
+        dropped.add_metric([], sum(_number(r.get("dropped")) for r in self.fanout_rows))
+        yield from (pending, in_flight, lag, published, dropped)
 
     def dashboard(self, with_history: bool = True) -> dict[str, Any]:
         """The dashboard's JSON, as the embedded server's has it, from the figures."""
@@ -162,8 +206,27 @@ class FrontFigures:
             "auth_enabled": False,
             "history_seconds": 0,
             "queues": [dict(row, oldest_pending_age_s=0.0) for row in self.rows],
-            "cqs": [],
+            "cqs": _cqs_rows(self.cqs_rows),
         }
+
+
+def _cqs_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The dashboard's CQS rows (queue_stats.cqs_queue_stats' shape) from the records."""
+    now = time.time()
+    rows = []
+    for r in records:
+        sla = r.get("most_urgent_sla_us")
+        rows.append(
+            {
+                "name": r["name"],
+                "pending": int(_number(r.get("pending"))),
+                "in_flight": int(_number(r.get("in_flight"))),
+                "subscriptions": r.get("subscriptions") or [],
+                "sla_lag_s": round(now - sla / 1e6, 3) if isinstance(sla, int) else None,
+                "dispatcher": r.get("dispatcher", ""),
+            }
+        )
+    return rows
 
 
 def _number(value: object) -> float:

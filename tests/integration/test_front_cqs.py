@@ -11,8 +11,10 @@ Every wait is bounded.
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +23,7 @@ import pytest
 
 from etcdserverpb import cqs_pb2, rpc_pb2, rpc_pb2_grpc
 from tests.integration.cqs_support import Cqs, footer, header, ids, item, status_of, unique
-from tests.support.processes import EtcdCluster, FrontProcess
+from tests.support.processes import EtcdCluster, FrontProcess, free_port
 
 pytestmark = [
     pytest.mark.integration,
@@ -86,6 +88,19 @@ def wait_for(what: str, check: object, timeout: float = WAIT) -> None:
         time.sleep(0.05)
 
 
+def taken_in(cluster: EtcdCluster, dto: str, queue: str) -> None:
+    """Until every publication of `dto` has reached `queue`'s rows: a publication
+    is fanned out a moment after its put (docs/compatibility.md), so a test of
+    the queue's order waits for it."""
+    wait_for(
+        "publications taken into the queue",
+        lambda: (
+            not etcd_keys(cluster, f"/q/dto:{dto}/p/".encode())
+            and not etcd_keys(cluster, f"/q/{queue}/in/".encode())
+        ),
+    )
+
+
 def dequeue_until(c: Cqs, queue: str, n: int, **kwargs: int) -> list[cqs_pb2.DtoChangeNotification]:
     """Long-poll until `n` notifications came (bounded)."""
     got: list[cqs_pb2.DtoChangeNotification] = []
@@ -109,6 +124,7 @@ def test_publish_on_one_front_dequeue_and_ack_through_the_other(
     b.publish(dto, "t/a/s/two/esls/1", SLA.format(1))
     b.publish(dto, "t/a/s/one/esls/1", SLA.format(2))
     b.publish(dto, "t/a/s/two", SLA.format(1))
+    taken_in(cluster, dto, queue)
     first = dequeue_until(a, queue, 2, max_notifications=10)
     assert ids(first) == ["t/a/s/two/esls/1", "t/a/s/two"], ids(first)
     rest = dequeue_until(b, queue, 2, max_notifications=10)
@@ -130,13 +146,7 @@ def test_a_change_published_again_while_pending_merges(
     a.configure(queue, [dto])
     b.publish(dto, "t/a/s/x/esls/1", SLA.format(5), tracking_id="late")
     b.publish(dto, "t/a/s/x/esls/1", SLA.format(2), tracking_id="soon")
-    wait_for(
-        "both taken into the queue",
-        lambda: (
-            not etcd_keys(cluster, f"/q/dto:{dto}/p/".encode())
-            and not etcd_keys(cluster, f"/q/{queue}/in/".encode())
-        ),
-    )
+    taken_in(cluster, dto, queue)
     got = a.dequeue(queue)
     assert a.dequeue(queue) == []
     assert len(got) == 1, got
@@ -223,6 +233,7 @@ def test_the_dispatching_front_killed_another_rebuilds_the_queue_from_etcd(
     a.configure(queue, [dto])
     for n in range(6):
         b.publish(dto, f"t/a/s/{n % 2}/esls/{n}", SLA.format(n))
+    taken_in(cluster, dto, queue)
     held = dequeue_until(a, queue, 1, max_notifications=1)[0]
     assert held.dto_id == "t/a/s/0/esls/0"
     holder = dispatcher_of(cluster, queue)
@@ -236,3 +247,49 @@ def test_the_dispatching_front_killed_another_rebuilds_the_queue_from_etcd(
     assert survivor.token_status(queue, held.ack_token) == grpc.StatusCode.CANCELLED
     survivor.ack(queue, [held.ack_token, *(n.ack_token for n in got)])
     wait_for("rows gone", lambda: not etcd_keys(cluster, f"/q/{queue}/n/".encode()))
+
+
+def scrape(port: int, path: str) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=WAIT) as answer:
+        return str(answer.read().decode())
+
+
+def test_every_front_shows_the_cqs_figures_and_which_front_dispatches(
+    cluster: EtcdCluster, fronts: list[FrontProcess], tmp_path: Path
+) -> None:
+    a, b = cqs(fronts[0]), cqs(fronts[1])
+    queue, dto = unique("figures"), unique("storeesl.v1")
+    a.configure(queue, [dto])
+    for n in range(3):
+        b.publish(dto, f"t/a/s/x/esls/{n}", SLA.format(n))
+    held = dequeue_until(a, queue, 1, max_notifications=1)
+    metrics_port = free_port()
+    watcher = FrontProcess(
+        tmp_path / "front3.etcd",
+        cluster.endpoints,
+        ["--listen-metrics-urls", f"http://127.0.0.1:{metrics_port}"],
+    ).start()
+    try:
+        wanted = [
+            f'queue_server_cqs_pending{{queue="{queue}"}} 2.0',
+            f'queue_server_cqs_in_flight{{queue="{queue}"}} 1.0',
+        ]
+        deadline = time.monotonic() + WAIT
+        while True:
+            text = scrape(metrics_port, "/metrics")
+            if all(line in text for line in wanted):
+                break
+            assert time.monotonic() < deadline, text[-3000:]
+            time.sleep(0.2)  # the figures are written once a second: nothing to await
+        holder = dispatcher_of(cluster, queue).decode()
+        assert f'queue_server_queue_dispatcher{{front="{holder}",queue="{queue}"}} 1.0' in text
+        assert f'queue_server_cqs_sla_lag_seconds{{queue="{queue}"}}' in text
+        published = [line for line in text.splitlines() if line.startswith("queue_server_cqs_pub")]
+        assert published and float(published[-1].split()[-1]) >= 3, published
+        state = json.loads(scrape(metrics_port, "/api/state"))
+        (row,) = [q for q in state["cqs"] if q["name"] == queue]
+        assert row["pending"] == 2 and row["in_flight"] == 1 and row["dispatcher"] == holder
+        assert row["subscriptions"] == [{"dto_type": dto, "alias_name": ""}]
+    finally:
+        watcher.stop()
+        a.ack(queue, [n.ack_token for n in held])
