@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -22,7 +23,16 @@ import grpc
 import pytest
 
 from etcdserverpb import cqs_pb2, rpc_pb2, rpc_pb2_grpc
-from tests.integration.cqs_support import Cqs, footer, header, ids, item, status_of, unique
+from tests.integration.cqs_support import (
+    Cqs,
+    footer,
+    header,
+    ids,
+    item,
+    publication,
+    status_of,
+    unique,
+)
 from tests.support.processes import EtcdCluster, FrontProcess, free_port
 
 pytestmark = [
@@ -293,3 +303,129 @@ def test_every_front_shows_the_cqs_figures_and_which_front_dispatches(
     finally:
         watcher.stop()
         a.ack(queue, [n.ack_token for n in held])
+
+
+class CqsLedger:
+    """What the producer and the consumers of the chaos test saw."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.produced: set[str] = set()
+        self.received: set[str] = set()
+        self.acked: set[str] = set()
+        self.unsure: set[str] = set()
+        """Received, and their acknowledgement never answered (the consumer's
+        front died): acknowledged, or back after the timeout, never stuck."""
+        self.holding: dict[str, tuple[str, float]] = {}
+        self.violations: list[str] = []
+
+
+def consume(front: FrontProcess, queue: str, label: str, ledger: CqsLedger) -> threading.Event:
+    """A consumer loop through `front` in a thread of its own: dequeue, note, ack.
+    Errors (a member or a front gone) are retried, bounded by the test's waits."""
+    stop = threading.Event()
+    c = cqs(front)
+
+    def run() -> None:
+        while not stop.is_set():
+            try:
+                batch = c.dequeue(queue, max_notifications=20, wait_ms=300)
+            except grpc.RpcError:
+                time.sleep(0.2)
+                continue
+            now = time.monotonic()
+            with ledger.lock:
+                for n in batch:
+                    held = ledger.holding.get(n.dto_id)
+                    # a holder past the visibility timeout may lose it: that is redelivery
+                    if held is not None and held[0] != label and now - held[1] < VISIBILITY - 0.5:
+                        ledger.violations.append(f"{n.dto_id} held by {held[0]} and {label}")
+                    ledger.holding[n.dto_id] = (label, now)
+                    ledger.received.add(n.dto_id)
+            for _ in range(20):
+                try:
+                    c.ack(queue, [n.ack_token for n in batch])
+                    break
+                except grpc.RpcError:
+                    time.sleep(0.3)
+            else:  # no answer: applied, or they come back after the timeout
+                with ledger.lock:
+                    ledger.unsure.update(n.dto_id for n in batch)
+                continue
+            with ledger.lock:
+                for n in batch:
+                    if ledger.holding.get(n.dto_id, ("",))[0] == label:
+                        del ledger.holding[n.dto_id]
+                    ledger.acked.add(n.dto_id)
+
+    threading.Thread(target=run, daemon=True).start()
+    return stop
+
+
+def test_nothing_published_is_lost_when_etcds_leader_and_the_dispatching_front_die(
+    cluster: EtcdCluster, fronts: list[FrontProcess], tmp_path: Path
+) -> None:
+    a, b = fronts
+    queue, dto, count = unique("chaos"), unique("storeesl.v1"), 240
+    cqs(a).configure(queue, [dto])
+    assert cqs(b).dequeue(queue) == []  # the queue has its dispatcher, on a or b
+    publisher = FrontProcess(tmp_path / "front3.etcd", cluster.endpoints).start()
+    ledger = CqsLedger()
+    stops = {f.port: consume(f, queue, f"on-{f.port}", ledger) for f in fronts}
+
+    def publish_all() -> None:
+        p = cqs(publisher)
+        for i in range(count):
+            dto_id = f"t/a/s/{i % 7}/esls/{i}"
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:  # a retry puts the same key again: one publication either way
+                    p.publish_raw(dto, publication(dto_id, SLA.format(i % 10)), key=f"m{i}")
+                except grpc.RpcError:
+                    time.sleep(0.2)
+                    continue
+                with ledger.lock:
+                    ledger.produced.add(dto_id)
+                break
+
+    def published_at_least(n: int) -> None:
+        deadline = time.monotonic() + 60
+        while len(ledger.produced) < n:
+            assert time.monotonic() < deadline, f"{len(ledger.produced)} of {n} published"
+            time.sleep(0.02)  # the publisher thread's progress: nothing to await
+
+    producer = threading.Thread(target=publish_all, daemon=True)
+    producer.start()
+    leader = cluster.leader()
+    try:
+        published_at_least(60)
+        cluster.kill(leader)  # SIGKILL etcd's leader mid-stream
+        published_at_least(120)
+        cluster.restart(leader)
+        published_at_least(170)
+        holder = dispatcher_of(cluster, queue)
+        victim = next(f for f in fronts if holder.endswith(b":%d" % f.port))
+        stops[victim.port].set()
+        victim.kill()  # the dispatching front, a consumer's front too, mid-stream
+        producer.join(90)
+        assert not producer.is_alive()
+        assert len(ledger.produced) == count
+        deadline = time.monotonic() + 60
+        while not ledger.produced <= ledger.acked | ledger.unsure:
+            missing = sorted(ledger.produced - ledger.acked - ledger.unsure)
+            assert time.monotonic() < deadline, (
+                f"{len(missing)} published never acknowledged: {missing[:5]}; in etcd: "
+                f"{etcd_keys(cluster, f'/q/{queue}/'.encode())[:20]} "
+                f"{etcd_keys(cluster, f'/q/dto:{dto}/'.encode())[:20]}"
+            )
+            time.sleep(0.05)  # the consumers' progress: nothing to await
+        assert ledger.produced <= ledger.received  # delivered, every one
+        # and nothing left: the unsure ones were acknowledged, or came back and were
+        wait_for("rows gone", lambda: not etcd_keys(cluster, f"/q/{queue}/n/".encode()))
+    finally:
+        for stop in stops.values():
+            stop.set()
+        publisher.stop()
+        if cluster.members[leader].proc is None or cluster.members[leader].proc.poll() is not None:
+            cluster.restart(leader)
+    assert ledger.violations == []
