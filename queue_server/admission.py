@@ -26,6 +26,8 @@ def too_large(command: internal_pb2.Command, payload: bytes, max_request_bytes: 
     log it (ENTRY_HEADER_BYTES more), without the proposer's clock stamp, which
     etcd's entries do not carry (a request at etcd's limit fits ours)."""
     size = len(payload) + ENTRY_HEADER_BYTES
+    if size <= max_request_bytes:
+        return False  # what the stamp takes off only makes it smaller
     if command.now_ms:
         size -= 1 + _varint_len(command.now_ms)  # field 14's tag is one byte
     return size > max_request_bytes

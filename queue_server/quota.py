@@ -9,6 +9,9 @@ of its two branches' puts, a lease grant 64 bytes.
 
 from __future__ import annotations
 
+from collections.abc import Coroutine
+from typing import Any
+
 from etcdserverpb import internal_pb2, rpc_pb2
 from queue_server.apply import Proposer, StateMachine
 from queue_server.errors import NoSpace
@@ -37,7 +40,8 @@ def _txn_cost(r: rpc_pb2.TxnRequest) -> int:
 def cost(command: internal_pb2.Command) -> int:
     kind = command.WhichOneof("op")
     if kind == "put":
-        return KV_OVERHEAD + len(command.put.key) + len(command.put.value)
+        put = command.put
+        return KV_OVERHEAD + len(put.key) + len(put.value)
     if kind == "txn":
         return _txn_cost(command.txn)
     if kind == "lease_grant":
@@ -66,15 +70,20 @@ class QuotaGuard:
     def used_bytes(self) -> int:
         return self.state.store.size_bytes + LEASE_OVERHEAD * len(self.state.lessor.leases)
 
-    async def propose(self, command: internal_pb2.Command) -> ApplyResult:
+    def propose(self, command: internal_pb2.Command) -> Coroutine[Any, Any, ApplyResult]:
+        """The log's proposal of `command`, or the refusal, to await. A plain
+        function handing on the log's coroutine: no coroutine of its own per write."""
         if self.quota_bytes > 0:
             c = cost(command)
             if c and self.used_bytes() + c > self.quota_bytes:
-                if not self.state.alarms.no_space:
-                    alarm = internal_pb2.Command()
-                    alarm.alarm.action = rpc_pb2.AlarmRequest.ACTIVATE
-                    alarm.alarm.memberID = self.member_id
-                    alarm.alarm.alarm = rpc_pb2.NOSPACE
-                    await self.log.propose(alarm)
-                raise NoSpace()
-        return await self.log.propose(command)
+                return self._refuse()
+        return self.log.propose(command)
+
+    async def _refuse(self) -> ApplyResult:
+        if not self.state.alarms.no_space:
+            alarm = internal_pb2.Command()
+            alarm.alarm.action = rpc_pb2.AlarmRequest.ACTIVATE
+            alarm.alarm.memberID = self.member_id
+            alarm.alarm.alarm = rpc_pb2.NOSPACE
+            await self.log.propose(alarm)
+        raise NoSpace()

@@ -24,8 +24,8 @@ see docs/auth.md).
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from typing import Any, cast
 
 from etcdserverpb import cqs_pb2, rpc_pb2, v3election_pb2, v3lock_pb2
 from queue_server.api.errors import abort
@@ -236,11 +236,17 @@ def guard(method: Method, gate: AuthGate) -> Handler:
 
         return unary_stream_gen
 
-    async def unary(request: Any, call: Call) -> Any:
+    async def enforced(request: Any, call: Call) -> Any:
         assert rule is not None
-        if gate.enabled:
-            await _enforce(gate, rule, request, call)
+        await _enforce(gate, rule, request, call)
         return await inner(request, call)
+
+    def unary(request: Any, call: Call) -> Awaitable[Any]:
+        # A plain function, not a coroutine: while auth is off (the common case)
+        # the call awaits the inner handler itself, one coroutine fewer per call.
+        if gate.enabled:
+            return enforced(request, call)
+        return cast(Awaitable[Any], inner(request, call))
 
     return unary
 

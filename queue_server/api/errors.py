@@ -58,8 +58,16 @@ async def propose_or_abort(
     response: type[R],
 ) -> R:
     """`propose_checked`, and the response's header filled. `response` is the
-    type apply answers `command` with; any other answer is a bug, raised."""
-    result = await propose_checked(log, command, context)
+    type apply answers `command` with; any other answer is a bug, raised.
+
+    `propose_checked`'s steps are repeated here rather than awaited: every write
+    of the KV service comes this way, and a coroutine less per call counts."""
+    try:
+        result = await log.propose(command)
+    except EtcdError as e:
+        await abort(context, e)
+    if isinstance(result, EtcdError):
+        await abort(context, result)
     if not isinstance(result, response):
         raise TypeError(f"apply answered {type(result).__name__}, not {response.__name__}")
     header.fill(result.header)

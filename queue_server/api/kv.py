@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from etcdserverpb import internal_pb2, rpc_pb2, rpc_pb2_grpc
-from queue_server.api.errors import R, abort, propose_or_abort
+from queue_server.api.errors import abort, propose_or_abort
 from queue_server.api.header import HeaderFiller
 from queue_server.apply import Proposer, StateMachine
 from queue_server.errors import EtcdError
@@ -40,9 +40,6 @@ class KVService(rpc_pb2_grpc.KVServicer):
         self.wall_ms = wall_ms
         """The node's wall clock (`Timers.wall_ms`): the stamp of a write."""
 
-    async def _propose(self, command: internal_pb2.Command, context: Call, response: type[R]) -> R:
-        return await propose_or_abort(self.log, command, context, self.header, response)
-
     async def Range(self, request: rpc_pb2.RangeRequest, context: Call) -> rpc_pb2.RangeResponse:
         try:
             validation.check_range(request)
@@ -63,7 +60,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
         # Stamped with this member's clock: a put on a producer key is a message
         # produced now, and its produce time is replicated state.
         command = Command(put=request, now_ms=self.wall_ms())
-        return await self._propose(command, context, rpc_pb2.PutResponse)
+        return await propose_or_abort(self.log, command, context, self.header, rpc_pb2.PutResponse)
 
     async def DeleteRange(
         self, request: rpc_pb2.DeleteRangeRequest, context: Call
@@ -75,7 +72,9 @@ class KVService(rpc_pb2_grpc.KVServicer):
         # Stamped with this member's clock: a delete of a CQS delivery key
         # acknowledges it in apply, which times the token out with it.
         command = Command(delete_range=request, now_ms=self.wall_ms())
-        return await self._propose(command, context, rpc_pb2.DeleteRangeResponse)
+        return await propose_or_abort(
+            self.log, command, context, self.header, rpc_pb2.DeleteRangeResponse
+        )
 
     async def Txn(self, request: rpc_pb2.TxnRequest, context: Call) -> rpc_pb2.TxnResponse:
         try:
@@ -89,9 +88,11 @@ class KVService(rpc_pb2_grpc.KVServicer):
             await abort(context, e)
         # its deletes may acknowledge, and its puts produce, at the Txn's time
         command = Command(txn=request, now_ms=self.wall_ms())
-        return await self._propose(command, context, rpc_pb2.TxnResponse)
+        return await propose_or_abort(self.log, command, context, self.header, rpc_pb2.TxnResponse)
 
     async def Compact(
         self, request: rpc_pb2.CompactionRequest, context: Call
     ) -> rpc_pb2.CompactionResponse:
-        return await self._propose(Command(compaction=request), context, rpc_pb2.CompactionResponse)
+        return await propose_or_abort(
+            self.log, Command(compaction=request), context, self.header, rpc_pb2.CompactionResponse
+        )
