@@ -25,8 +25,9 @@ import threading
 import time
 from typing import Any, TextIO
 
-request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
-"""The id of the gRPC call being served (empty outside calls)."""
+request_id: contextvars.ContextVar[int] = contextvars.ContextVar("request_id", default=0)
+"""The number of the gRPC call being served (0 outside calls); records show it in
+hex. Kept a number so that a call that logs nothing formats nothing."""
 
 LEVELS = {
     "debug": logging.DEBUG,
@@ -42,7 +43,7 @@ def _extras(record: logging.LogRecord) -> dict[str, Any]:
     out = {k: v for k, v in vars(record).items() if k not in _STANDARD}
     rid = request_id.get()
     if rid:
-        out.setdefault("request_id", rid)
+        out.setdefault("request_id", f"{rid:x}")
     return out
 
 

@@ -10,8 +10,8 @@ long", for a unary call that took longer than
 as their client wants and are not timed).
 
 Each method's wrapper is built once, when the method table is wrapped, so a
-call costs two counter increments, one clock read pair and a context variable
-set beyond the call.
+call costs two counter increments (integer tallies, added to the counters when
+they are read), one clock read pair and a context variable set beyond the call.
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ import asyncio
 import inspect
 import itertools
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.metrics_core import Metric
 
 from queue_server.logs import request_id
 from queue_server.transport.methods import Handler, Method
@@ -51,6 +53,47 @@ def _outcome(error: BaseException | None) -> str:
     return "Unknown"
 
 
+class Tally:
+    """Increments of one counter child as a plain integer, added to the child
+    when its counter is read (`TalliedCounter.collect`): prometheus_client's
+    `inc` is four calls and a lock, and every call counts twice."""
+
+    __slots__ = ("_added", "child", "count")
+
+    def __init__(self, child: Counter) -> None:
+        self.child = child
+        self.count = 0
+        """Only ever incremented (on the loop); `settle` adds what is new."""
+        self._added = 0
+
+    def settle(self) -> None:
+        count = self.count
+        if count != self._added:
+            self.child.inc(count - self._added)
+            self._added = count
+
+
+class TalliedCounter(Counter):
+    """A Counter that settles its children's tallies before it is read."""
+
+    def tally(self, *labelvalues: str) -> Tally:
+        """The tally of the child with these labels (created, at 0, as `labels` does)."""
+        tally = Tally(self.labels(*labelvalues))
+        with _SETTLING:
+            self.__dict__.setdefault("_tallies", []).append(tally)
+        return tally
+
+    def collect(self) -> Iterable[Metric]:
+        with _SETTLING:
+            for tally in self.__dict__.get("_tallies", ()):
+                tally.settle()
+        return super().collect()
+
+
+_SETTLING = threading.Lock()
+"""Held while tallies are settled: a scrape may run on any thread."""
+
+
 class RpcObserver:
     """Request ids, RPC counters and slow-request warnings for one server."""
 
@@ -61,13 +104,13 @@ class RpcObserver:
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         labels = ["grpc_type", "grpc_service", "grpc_method"]
-        self.started = Counter(
+        self.started = TalliedCounter(
             "grpc_server_started_total",
             "Total number of RPCs started on the server.",
             labels,
             registry=registry,
         )
-        self.handled = Counter(
+        self.handled = TalliedCounter(
             "grpc_server_handled_total",
             "Total number of RPCs completed on the server, regardless of success or failure.",
             [*labels, "grpc_code"],
@@ -85,8 +128,8 @@ class RpcObserver:
             return self._stream(method.handler, labels)
         return self._call(method.handler, labels, timed=method.kind == "unary" and not method.waits)
 
-    def _next_id(self) -> str:
-        return f"{next(self._ids):x}"
+    def _next_id(self) -> int:
+        return next(self._ids)
 
     def _done(self, labels: Labels, error: BaseException | None) -> None:
         outcome = _outcome(error)
@@ -96,14 +139,14 @@ class RpcObserver:
         child.inc()
 
     def _call(self, behavior: Any, labels: Labels, timed: bool) -> Handler:
-        started = self.started.labels(*labels)
-        ok = self.handled.labels(*labels, "OK")
+        started = self.started.tally(*labels)
+        ok = self.handled.tally(*labels, "OK")
         clock = self.clock
         method = f"/{labels[1]}/{labels[2]}"
-        next_id = self._next_id
+        next_id = self._ids.__next__
 
         async def call(request: Any, context: Any) -> Any:
-            started.inc()
+            started.count += 1
             token = request_id.set(next_id())
             begin = clock()
             try:
@@ -117,16 +160,16 @@ class RpcObserver:
                     if took > self.warn_after:
                         self._slow(method, took, request)
                 request_id.reset(token)
-            ok.inc()
+            ok.count += 1
             return result
 
         return call
 
     def _stream(self, behavior: Any, labels: Labels) -> Handler:
-        started = self.started.labels(*labels)
+        started = self.started.tally(*labels)
 
         async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
-            started.inc()
+            started.count += 1
             request_id.set(self._next_id())  # the stream's task is its own context
             error: BaseException | None = None
             try:
