@@ -45,6 +45,39 @@ DEFAULT_PROGRESS_INTERVAL = 600.0
 """etcd's default --experimental-watch-progress-notify-interval (10 minutes)."""
 
 
+class Signal:
+    """`asyncio.Event` for the one task that waits on it, bound to the loop it was
+    made on: `Event.wait` looks the running loop up on every wait (a `getpid()`
+    each time), and a stream's writer waits once per batch it writes."""
+
+    __slots__ = ("_loop", "_waiter", "is_set")
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._waiter: asyncio.Future[None] | None = None
+        self.is_set = False
+
+    def set(self) -> None:
+        if self.is_set:
+            return
+        self.is_set = True
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def clear(self) -> None:
+        self.is_set = False
+
+    async def wait(self) -> None:
+        """Return once set (at once if it is)."""
+        if self.is_set:
+            return
+        waiter = self._waiter = self._loop.create_future()
+        await waiter
+
+
 class WatchService(rpc_pb2_grpc.WatchServicer):
     """Serves Watch streams from one `WatchHub`."""
 
@@ -71,8 +104,8 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
     async def Watch(
         self, request_iterator: AsyncIterator[rpc_pb2.WatchRequest], context: Call
     ) -> None:
-        wake = asyncio.Event()
-        room = asyncio.Event()
+        wake = Signal()
+        room = Signal()
         stream = self.hub.open_stream(wake.set)
         reader = asyncio.get_running_loop().create_task(
             self._read(request_iterator, stream, context, room)
@@ -91,7 +124,7 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
         requests: AsyncIterator[rpc_pb2.WatchRequest],
         stream: WatchStream,
         context: Call,
-        room: asyncio.Event,
+        room: Signal,
     ) -> None:
         hub = self.hub
         permitted = self.permitted
@@ -126,8 +159,8 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
     async def _write(
         self,
         stream: WatchStream,
-        wake: asyncio.Event,
-        room: asyncio.Event,
+        wake: Signal,
+        room: Signal,
         reader: asyncio.Task[None],
         context: Call,
     ) -> None:
