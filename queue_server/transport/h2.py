@@ -427,10 +427,40 @@ class H2Connection:
         self.send_headers(stream_id, block, end_stream=True)
 
     def respond(self, stream_id: int, headers: bytes, data: bytes, trailers: bytes) -> None:
-        """A whole response: headers, one body, trailers (the unary call's path)."""
-        self.send_headers(stream_id, headers)
-        self.send_data(stream_id, data)
-        self.send_trailers(stream_id, trailers)
+        """A whole response: headers, one body, trailers (the unary call's path).
+        When each fits one frame and the body fits the windows (nearly always),
+        the three frames are written at once; otherwise one part after the other."""
+        stream = self.streams.get(stream_id)
+        if stream is None or stream.local_closed:
+            return
+        size = len(data)
+        limit = self._peer_max_frame
+        if (
+            self._first_block
+            or stream.pending
+            or len(headers) > limit
+            or len(trailers) > limit
+            or size > limit
+            or size > self._send_window
+            or size > stream.send_window
+        ):
+            self.send_headers(stream_id, headers)
+            self.send_data(stream_id, data)
+            self.send_trailers(stream_id, trailers)
+            return
+        self._send_window -= size
+        stream.send_window -= size
+        stream.responded = True
+        self._sent_since_ping = True
+        pack = FRAME_HEADER.pack
+        out = self.out
+        out += pack(len(headers) << 8 | HEADERS, FLAG_END_HEADERS, stream_id)
+        out += headers
+        out += pack(size << 8 | DATA, 0, stream_id)
+        out += data
+        out += pack(len(trailers) << 8 | HEADERS, FLAG_END_STREAM | FLAG_END_HEADERS, stream_id)
+        out += trailers
+        self._close_local(stream)
 
     @property
     def pending_output(self) -> bool:
