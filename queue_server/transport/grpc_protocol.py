@@ -135,6 +135,31 @@ def parse_timeout(value: bytes) -> float | None:
     return None if unit is None else int(value[:-1]) * unit
 
 
+_ReadHeaders = tuple[list[tuple[bytes, bytes]], bytes, bytes, bytes, bytes, bytes, float | None]
+"""What a call's headers say: (the headers, :path, :method, content-type,
+grpc-timeout, grpc-encoding, the timeout in seconds or None)."""
+
+READ_HEADERS_MEMO = 64
+"""Header lists read, remembered per connection (see `GrpcConnection.request_headers`)."""
+
+
+def _read_headers(headers: list[tuple[bytes, bytes]]) -> _ReadHeaders:
+    path = content_type = timeout = encoding = http_method = b""
+    for name, value in headers:
+        if name == b":path":
+            path = value
+        elif name == b":method":
+            http_method = value
+        elif name == b"content-type":
+            content_type = value
+        elif name == b"grpc-timeout":
+            timeout = value
+        elif name == b"grpc-encoding":
+            encoding = value
+    seconds = parse_timeout(timeout) if timeout else None
+    return headers, path, http_method, content_type, timeout, encoding, seconds
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectionSettings:
     """What every connection of one server is configured with."""
@@ -352,6 +377,10 @@ class GrpcConnection(asyncio.Protocol):
         self.loop = asyncio.get_running_loop()
         self.h2 = H2Connection(self, settings.limits, settings.clock)
         self.calls: dict[int, NativeCall] = {}
+        self._read_headers: dict[int, _ReadHeaders] = {}
+        """What header lists said, by the list's id (the list is held, so its id
+        is not reused meanwhile): h2 hands the same list again for a header block
+        it remembers (`H2Connection._decode`), as a client's repeated calls send."""
         self._plain_http: set[int] = set()
         self.transport: asyncio.Transport | None = None
         self.peer_name = "unknown"
@@ -520,18 +549,13 @@ class GrpcConnection(asyncio.Protocol):
         if self._preface_timer is not None:
             self._preface_timer.cancel()
             self._preface_timer = None
-        path = content_type = timeout = encoding = http_method = b""
-        for name, value in headers:
-            if name == b":path":
-                path = value
-            elif name == b":method":
-                http_method = value
-            elif name == b"content-type":
-                content_type = value
-            elif name == b"grpc-timeout":
-                timeout = value
-            elif name == b"grpc-encoding":
-                encoding = value
+        read = self._read_headers.get(id(headers))
+        if read is None or read[0] is not headers:
+            read = _read_headers(headers)
+            if len(self._read_headers) >= READ_HEADERS_MEMO:
+                self._read_headers.clear()
+            self._read_headers[id(headers)] = read
+        _, path, http_method, content_type, timeout, encoding, seconds = read
         if not content_type.startswith(b"application/grpc"):
             # Answered once the request has ended, as an HTTP server reads a
             # body first; until then the stream is open to the client.
@@ -544,7 +568,6 @@ class GrpcConnection(asyncio.Protocol):
         # then the method, then what the server's routing finds
         deadline = None
         if timeout:
-            seconds = parse_timeout(timeout)
             if seconds is None:
                 self._refuse(
                     stream_id,
