@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import zlib
 from bisect import bisect_right
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -335,7 +335,13 @@ class MVCCStore:
     def _delete(self, key: bytes, end: bytes | None, revision: int, sub: int) -> list[Event]:
         events: list[Event] = []
         grown: list[tuple[bytes, list[int]]] = []
-        for k, codes in self._histories(key, end):
+        histories: Iterable[tuple[bytes, History]]
+        if end is None:  # one key (every ack): no generator to walk the index
+            codes = self._index.get(key)
+            histories = () if codes is None else ((key, codes),)
+        else:
+            histories = self._histories(key, end)
+        for k, codes in histories:
             last = codes[-1]
             if last & 1:
                 continue
