@@ -748,11 +748,15 @@ class GrpcConnection(asyncio.Protocol):
 
     def _closed(self, call: NativeCall) -> None:
         call.closed = True
-        unread = call.discard_unread()
-        if unread:  # never read, but the client's window must not shrink for good
-            self.h2.consumed(call.stream_id, unread)
-        call.wake_reader()
-        call.wake_writer()
+        # (tested here, not in the calls: a unary call has nothing to discard or wake)
+        if call.method.request_streaming:
+            unread = call.discard_unread()
+            if unread:  # never read, but the client's window must not shrink for good
+                self.h2.consumed(call.stream_id, unread)
+        if call._read_waiter is not None:
+            call.wake_reader()
+        if call._write_waiter is not None:
+            call.wake_writer()
 
     def _arm_deadline(self, when: float) -> None:
         if self._deadline_timer is not None:
