@@ -88,11 +88,15 @@ class CqsFronts:
         self._peers: dict[str, aio.Channel] = {}
         self._task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._stopped = False
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._follow_index())
 
     async def stop(self) -> None:
+        self._stopped = True
+        for holder in (*self.queues.values(), *self.fanouts.values()):
+            holder.stop()
         tasks = [*self._campaigns.values(), *([self._task] if self._task else [])]
         for task in tasks:
             task.cancel()
@@ -102,7 +106,7 @@ class CqsFronts:
     # -- which queues exist ------------------------------------------------------------------
 
     async def _follow_index(self) -> None:
-        while True:
+        while not self._stopped:
             try:
                 reply = await self.session.txn(
                     rpc_pb2.TxnRequest(

@@ -43,6 +43,13 @@ class RegistryHolder:
         self.registry = registry
         self.probes: dict[bytes, asyncio.Future[None]] = {}
         """Front id -> the watch for its death, for the fronts this holder depends on."""
+        self.stopping = False
+        """Set by `stop`: the campaign ends at its next turn. A task's cancel alone
+        is not enough on Python 3.11, whose `asyncio.wait_for` can lose one that
+        meets the end of what it waits for."""
+
+    def stop(self) -> None:
+        self.stopping = True
 
     async def dispatch(self) -> None:
         """Serve the key's queue until deposed (returns) or failed (raises)."""
@@ -59,7 +66,7 @@ class RegistryHolder:
 
     async def campaign(self) -> None:
         lease = 0
-        while True:
+        while not self.stopping:
             try:
                 lease = await self.session.ready()
                 won = await self.session.kv.Txn(

@@ -292,6 +292,8 @@ class QueueFronts:
             await asyncio.sleep(RETRY_SECONDS)
 
     async def stop(self) -> None:
+        for dispatcher in self.dispatchers.values():
+            dispatcher.stop()
         for task in list(self._tasks):
             task.cancel()
         await self.session.stop()
