@@ -24,7 +24,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/google/uuid"
 	pb "go.etcd.io/etcd/etcdserver/etcdserverpb"
 	"google.golang.org/grpc"
 
@@ -162,7 +161,7 @@ func runCQSDequeue(args []string) int {
 	fs.IntVar(&f.waitMs, "wait-ms", 1000, "wait_time_milliseconds of each BatchDequeue")
 	fs.StringVar(&f.prefill, "prefill", "put", "how the queue is filled: put (etcd puts on /q/dto:{type}/p/{i}, in Txns) or reenqueue (one ReEnqueue stream)")
 	fs.IntVar(&f.prefillTxn, "prefill-txn", 128, "puts per Txn when --prefill=put (the server's --max-txn-ops is 128 by default)")
-	ok := parseFlags(fs, args, &f.common, func() error {
+	return subcommand(fs, args, &f.common, func() error {
 		switch {
 		case f.consumers < 1 || f.batch < 1 || f.prefillTxn < 1 || f.stores < 1:
 			return fmt.Errorf("--consumers, --batch, --prefill-txn and --stores must be at least 1")
@@ -172,22 +171,18 @@ func runCQSDequeue(args []string) int {
 			return fmt.Errorf("--wait-ms and --depth must not be negative")
 		}
 		return nil
-	})
-	if !ok {
-		return 2
-	}
-	if f.queue == "" {
-		f.queue = "bench-cqs-" + uuid.New().String()[:8]
-	}
-	o := newOutput("cqs-dequeue", &f.common, "notification")
-	o.Params = map[string]any{
-		"queue": f.queue, "total": f.total, "consumers": f.consumers, "batch": f.batch,
-		"depth": f.depth, "wait_ms": f.waitMs, "prefill": f.prefill, "stores": f.stores, "conns": f.conns,
-	}
-	o.LatencyOf = "one batch: BatchDequeue sent to BatchAcknowledge answered"
-	errs := &errorLog{}
-	cqsDequeueRun(&f, o, errs)
-	return o.emit(errs)
+	}, func() *output {
+		if f.queue == "" {
+			f.queue = randomName("bench-cqs-")
+		}
+		o := newOutput("cqs-dequeue", &f.common, "notification")
+		o.Params = map[string]any{
+			"queue": f.queue, "total": f.total, "consumers": f.consumers, "batch": f.batch,
+			"depth": f.depth, "wait_ms": f.waitMs, "prefill": f.prefill, "stores": f.stores, "conns": f.conns,
+		}
+		o.LatencyOf = "one batch: BatchDequeue sent to BatchAcknowledge answered"
+		return o
+	}, func(o *output, errs *errorLog) { cqsDequeueRun(&f, o, errs) })
 }
 
 func cqsPrefill(ctx context.Context, conns []*grpc.ClientConn, f *cqsFlags) error {
@@ -280,10 +275,7 @@ func cqsDequeueRun(f *cqsFlags, o *output, errs *errorLog) {
 	for i := 0; i < f.total; i++ {
 		tr.markProduced(i)
 	}
-	var acked, batches, empty atomic.Int64
-	var lastAck atomic.Int64
-	allAcked := make(chan struct{})
-	var allAckedOnce sync.Once
+	var batches, empty atomic.Int64
 	measure, stopMeasure := context.WithTimeout(base, f.timeout)
 	defer stopMeasure()
 	var latMu sync.Mutex
@@ -291,7 +283,7 @@ func cqsDequeueRun(f *cqsFlags, o *output, errs *errorLog) {
 
 	var w window
 	w.open(f.serverPids)
-	start := w.t0
+	acked := newCompletions(w.t0, f.total)
 	var wg sync.WaitGroup
 	for c := 0; c < f.consumers; c++ {
 		cli := cqspb.NewDtoChangeQueueServiceClient(conns[c%len(conns)])
@@ -308,13 +300,13 @@ func cqsDequeueRun(f *cqsFlags, o *output, errs *errorLog) {
 				QueueName: f.queue, MaxNotifications: int32(f.batch), PrefixDepth: int32(f.depth),
 				WaitTimeMilliseconds: int32(f.waitMs),
 			}
-			for measure.Err() == nil && acked.Load() < int64(f.total) {
+			for measure.Err() == nil && acked.count() < int64(f.total) {
 				b0 := time.Now()
 				cctx, cancel := context.WithTimeout(measure, f.rpcTimeout+time.Duration(f.waitMs)*time.Millisecond)
 				resp, err := cli.BatchDequeue(cctx, req)
 				cancel()
 				if err != nil {
-					if measure.Err() == nil && acked.Load() < int64(f.total) {
+					if measure.Err() == nil && acked.count() < int64(f.total) {
 						errs.add("BatchDequeue", err)
 					}
 					continue
@@ -341,46 +333,28 @@ func cqsDequeueRun(f *cqsFlags, o *output, errs *errorLog) {
 				}
 				lat = append(lat, time.Since(b0).Nanoseconds())
 				batches.Add(1)
-				lastAck.Store(time.Since(start).Nanoseconds())
-				if acked.Add(int64(len(tokens))) >= int64(f.total) {
-					allAckedOnce.Do(func() { close(allAcked) })
-				}
+				acked.add(int64(len(tokens)), acked.since())
 			}
 		}()
 	}
 	stopProgress := make(chan struct{})
 	progress(f.progress, stopProgress, func() string {
-		a := acked.Load()
-		return fmt.Sprintf("cqs-dequeue: %d of %d acknowledged, %.0f/s so far", a, f.total, float64(a)/time.Since(start).Seconds())
+		a := acked.count()
+		return fmt.Sprintf("cqs-dequeue: %d of %d acknowledged, %.0f/s so far", a, f.total, float64(a)/time.Since(w.t0).Seconds())
 	})
-	select {
-	case <-allAcked:
-	case <-measure.Done():
-		o.fail("timed out after %s with %d of %d acknowledged", f.timeout, acked.Load(), f.total)
-	}
-	w.close(start.Add(time.Duration(lastAck.Load())))
-	close(stopProgress)
-	o.finish(&w, acked.Load())
+	acked.await(measure, o, &w, stopProgress, f.timeout, "acknowledged")
 	stopMeasure() // ends the consumers' long polls
-	if !waitGroupFor(&wg, 10*time.Second) {
-		o.fail("consumers did not stop within 10 s")
+	if !waitGroupFor(&wg, stopBound) {
+		o.fail("consumers did not stop within %.0f s", stopBound.Seconds())
 	}
 	tr.check(o, "dequeued")
 	o.LatencyMs = percentiles(batchLat)
-	o.Counts["acknowledged"] = acked.Load()
+	o.Counts["acknowledged"] = acked.count()
 	o.Counts["batches"] = batches.Load()
 	o.Counts["empty_dequeues"] = empty.Load()
-	check, cancelCheck := context.WithTimeout(base, f.setupTimeout)
-	defer cancelCheck()
-	left, err := cqsCount(check, conns[0], f)
-	if err != nil {
-		o.fail("counting what is left in the queue: %v", err)
-	} else {
-		o.Counts["left_in_queue"] = left
-		if left != 0 {
-			o.fail("%d notification(s) left in the queue after every ack", left)
-		}
-	}
+	o.checkLeft(f.setupTimeout, func(ctx context.Context) (int64, error) {
+		return cqsCount(ctx, conns[0], f)
+	}, "in the queue", "notification(s)", "ack")
 	logf("cqs-dequeue: %d acknowledged in %.2f s: %.0f notifications/s in %d batches", o.Count, o.Seconds, o.PerSecond, batches.Load())
 }
 
@@ -389,23 +363,19 @@ func runCQSReEnqueue(args []string) int {
 	fs := flag.NewFlagSet("cqs-reenqueue", flag.ContinueOnError)
 	addCQSFlags(fs, &f, 100000)
 	fs.IntVar(&f.depth, "depth", 4, "the queue's prefix depth")
-	ok := parseFlags(fs, args, &f.common, func() error {
+	return subcommand(fs, args, &f.common, func() error {
 		if f.stores < 1 {
 			return fmt.Errorf("--stores must be at least 1")
 		}
 		return nil
-	})
-	if !ok {
-		return 2
-	}
-	if f.queue == "" {
-		f.queue = "bench-cqs-" + uuid.New().String()[:8]
-	}
-	o := newOutput("cqs-reenqueue", &f.common, "item")
-	o.Params = map[string]any{"queue": f.queue, "total": f.total, "stores": f.stores}
-	errs := &errorLog{}
-	cqsReEnqueueRun(&f, o, errs)
-	return o.emit(errs)
+	}, func() *output {
+		if f.queue == "" {
+			f.queue = randomName("bench-cqs-")
+		}
+		o := newOutput("cqs-reenqueue", &f.common, "item")
+		o.Params = map[string]any{"queue": f.queue, "total": f.total, "stores": f.stores}
+		return o
+	}, func(o *output, errs *errorLog) { cqsReEnqueueRun(&f, o, errs) })
 }
 
 func cqsReEnqueueRun(f *cqsFlags, o *output, errs *errorLog) {

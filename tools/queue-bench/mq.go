@@ -62,7 +62,7 @@ func runMQ(args []string) int {
 	fs.IntVar(&f.inflight, "inflight", 128, "most messages produced and not yet acknowledged")
 	fs.IntVar(&f.prefetch, "prefetch", 0, "put {\"prefetch\": N} on /q/{name}/config first (0: the queue's default, 64)")
 	fs.DurationVar(&f.settle, "settle", 500*time.Millisecond, "after the last ack, keep watching this long for late (duplicate) deliveries")
-	ok := parseFlags(fs, args, &f.common, func() error {
+	return subcommand(fs, args, &f.common, func() error {
 		switch {
 		case f.consumers < 1 || f.producers < 1 || f.acksInFlight < 1:
 			return fmt.Errorf("--consumers, --producers and --acks-in-flight must be at least 1")
@@ -74,53 +74,33 @@ func runMQ(args []string) int {
 			return fmt.Errorf("--prefetch must not be negative")
 		}
 		return nil
-	})
-	if !ok {
-		return 2
-	}
-	if f.queue == "" {
-		f.queue = "bench-" + uuid.New().String()[:8]
-	}
-	o := newOutput("mq", &f.common, "msg")
-	o.Params = map[string]any{
-		"queue": f.queue, "total": f.total, "consumers": f.consumers, "producers": f.producers,
-		"put_batch": f.putBatch, "ack_batch": f.ackBatch, "acks_in_flight": f.acksInFlight,
-		"inflight": f.inflight, "prefetch": f.prefetch, "conns": f.conns, "value_size": f.valueSize,
-		"ack_linger_ms": f.ackLinger.Seconds() * 1000,
-	}
-	o.LatencyOf = "produce (before the Put/Txn is sent) to delivery (the watch event received)"
-	errs := &errorLog{}
-	mqRun(&f, o, errs)
-	return o.emit(errs)
+	}, func() *output {
+		if f.queue == "" {
+			f.queue = randomName("bench-")
+		}
+		o := newOutput("mq", &f.common, "msg")
+		o.Params = map[string]any{
+			"queue": f.queue, "total": f.total, "consumers": f.consumers, "producers": f.producers,
+			"put_batch": f.putBatch, "ack_batch": f.ackBatch, "acks_in_flight": f.acksInFlight,
+			"inflight": f.inflight, "prefetch": f.prefetch, "conns": f.conns, "value_size": f.valueSize,
+			"ack_linger_ms": f.ackLinger.Seconds() * 1000,
+		}
+		o.LatencyOf = "produce (before the Put/Txn is sent) to delivery (the watch event received)"
+		return o
+	}, func(o *output, errs *errorLog) { mqRun(&f, o, errs) })
 }
 
 func mqRun(f *mqFlags, o *output, errs *errorLog) {
 	base := context.Background()
 	setup, cancelSetup := context.WithTimeout(base, f.setupTimeout)
 	defer cancelSetup()
-	conns, err := dial(setup, f.endpoint, f.conns)
+	conns, err := dialRoles(setup, &f.common)
 	if err != nil {
 		o.fail("%v", err)
 		return
 	}
-	defer closeAll(conns)
-	pconns, ownP, err := dialRole(setup, f.producerEPs, f.conns, conns)
-	if err != nil {
-		o.fail("producers: %v", err)
-		return
-	}
-	if ownP {
-		defer closeAll(pconns)
-	}
-	cconns, ownC, err := dialRole(setup, f.consumerEPs, f.conns, conns)
-	if err != nil {
-		o.fail("consumers: %v", err)
-		return
-	}
-	if ownC {
-		defer closeAll(cconns)
-	}
-	kv := pb.NewKVClient(conns[0])
+	defer conns.close()
+	kv := pb.NewKVClient(conns.main[0])
 	prefix := "/q/" + f.queue + "/"
 
 	if f.prefetch > 0 {
@@ -139,7 +119,7 @@ func mqRun(f *mqFlags, o *output, errs *errorLog) {
 	consumers := make([]*mqConsumer, f.consumers)
 	for i := range consumers {
 		id := uuid.New().String()
-		c := &mqConsumer{id: id, key: []byte(prefix + "c/" + id), conn: cconns[i%len(cconns)],
+		c := &mqConsumer{id: id, key: []byte(prefix + "c/" + id), conn: conns.consumers[i%len(conns.consumers)],
 			acks: make(chan []byte, 1<<16)}
 		c.stream, err = openWatch(run, c.conn, &pb.WatchCreateRequest{Key: c.key}, f.setupTimeout)
 		if err != nil {
@@ -171,17 +151,13 @@ func mqRun(f *mqFlags, o *output, errs *errorLog) {
 
 	tr := newTracker(f.total)
 	sem := newSemaphore(f.inflight)
-	var acked, deliveries, responses, ackRequests, deletedNothing, produceRequests atomic.Int64
-	var lastAck atomic.Int64 // ns since start of the window
-	allAcked := make(chan struct{})
-	var allAckedOnce sync.Once
+	var deliveries, responses, ackRequests, deletedNothing, produceRequests atomic.Int64
 	measure, stopMeasure := context.WithTimeout(run, f.timeout)
 	defer stopMeasure()
 
 	var w window
 	w.open(f.serverPids)
-	start := w.t0
-	since := func() int64 { return time.Since(start).Nanoseconds() }
+	acked := newCompletions(w.t0, f.total)
 
 	var receivers, workers sync.WaitGroup
 	for _, c := range consumers {
@@ -189,23 +165,12 @@ func mqRun(f *mqFlags, o *output, errs *errorLog) {
 		receivers.Add(1)
 		go func() {
 			defer receivers.Done()
-			for {
-				resp, err := c.stream.Recv()
-				if err != nil {
-					if !ended(run, err) {
-						errs.add("consumer watch", err)
-					}
-					return
-				}
-				if resp.Canceled {
-					c.canceled.Store(true)
-					c.cancelWhy.Store(resp.CancelReason)
-					return
-				}
-				if len(resp.Events) == 0 {
-					continue
-				}
-				now := since()
+			canceled := func(reason string) {
+				c.canceled.Store(true)
+				c.cancelWhy.Store(reason)
+			}
+			receiveEvents(run, c.stream, errs, canceled, func(resp *pb.WatchResponse) {
+				now := acked.since()
 				responses.Add(1)
 				for _, ev := range resp.Events {
 					if ev.Kv == nil {
@@ -226,7 +191,7 @@ func mqRun(f *mqFlags, o *output, errs *errorLog) {
 					c.received.Add(1)
 					c.acks <- ev.Kv.Key
 				}
-			}
+			})
 		}()
 		for a := 0; a < f.acksInFlight; a++ {
 			workers.Add(1)
@@ -276,11 +241,8 @@ func mqRun(f *mqFlags, o *output, errs *errorLog) {
 						deletedNothing.Add(int64(len(batch)) - deleted)
 					}
 					if deleted > 0 {
-						lastAck.Store(since())
 						sem.release(int(deleted))
-						if acked.Add(deleted) >= int64(f.total) {
-							allAckedOnce.Do(func() { close(allAcked) })
-						}
+						acked.add(deleted, acked.since())
 					}
 				}
 			}()
@@ -289,7 +251,7 @@ func mqRun(f *mqFlags, o *output, errs *errorLog) {
 
 	var nextBatch atomic.Int64
 	for p := 0; p < f.producers; p++ {
-		pkv := pb.NewKVClient(pconns[p%len(pconns)])
+		pkv := pb.NewKVClient(conns.producers[p%len(conns.producers)])
 		workers.Add(1)
 		go func() {
 			defer workers.Done()
@@ -305,7 +267,7 @@ func mqRun(f *mqFlags, o *output, errs *errorLog) {
 				if !sem.acquire(measure, n) {
 					return
 				}
-				stamp := since()
+				stamp := acked.since()
 				ops := make([]*pb.RequestOp, n)
 				for i := 0; i < n; i++ {
 					ops[i] = &pb.RequestOp{Request: &pb.RequestOp_RequestPut{RequestPut: &pb.PutRequest{
@@ -341,29 +303,17 @@ func mqRun(f *mqFlags, o *output, errs *errorLog) {
 
 	stopProgress := make(chan struct{})
 	progress(f.progress, stopProgress, func() string {
-		a := acked.Load()
+		a := acked.count()
 		return fmt.Sprintf("mq: %d of %d acked, %d delivered, %.0f msgs/s so far",
-			a, f.total, deliveries.Load(), float64(a)/time.Since(start).Seconds())
+			a, f.total, deliveries.Load(), float64(a)/time.Since(w.t0).Seconds())
 	})
-	select {
-	case <-allAcked:
-	case <-measure.Done():
-		o.fail("timed out after %s with %d of %d acknowledged", f.timeout, acked.Load(), f.total)
-	}
-	w.close(start.Add(time.Duration(lastAck.Load())))
-	close(stopProgress)
-	o.finish(&w, acked.Load())
+	acked.await(measure, o, &w, stopProgress, f.timeout, "acknowledged")
 
 	// Late deliveries during the settle time count as duplicates; then stop everything.
-	time.Sleep(f.settle)
-	stopMeasure()
-	stopRun()
-	if !waitGroupFor(&workers, 10*time.Second) || !waitGroupFor(&receivers, 10*time.Second) {
-		o.fail("producers or consumers did not stop within 10 s")
-	}
+	settleAndStop(o, f.settle, func() { stopMeasure(); stopRun() }, &workers, &receivers)
 
 	tr.check(o, "delivered")
-	o.Counts["acked"] = acked.Load()
+	o.Counts["acked"] = acked.count()
 	o.Counts["deliveries"] = deliveries.Load()
 	o.Counts["delivery_responses"] = responses.Load()
 	o.Counts["ack_requests"] = ackRequests.Load()
@@ -372,37 +322,21 @@ func mqRun(f *mqFlags, o *output, errs *errorLog) {
 	if deletedNothing.Load() > 0 {
 		o.fail("%d ack(s) deleted nothing", deletedNothing.Load())
 	}
-	minC, maxC, canceled := int64(-1), int64(0), int64(0)
+	canceled := int64(0)
 	for _, c := range consumers {
-		r := c.received.Load()
-		if minC < 0 || r < minC {
-			minC = r
-		}
-		if r > maxC {
-			maxC = r
-		}
 		if c.canceled.Load() {
 			canceled++
 			why, _ := c.cancelWhy.Load().(string)
 			o.fail("the server canceled consumer %s's watch: %q", c.id, why)
 		}
 	}
-	o.Counts["per_consumer_min"] = minC
-	o.Counts["per_consumer_max"] = maxC
+	o.perConsumer(len(consumers), func(i int) int64 { return consumers[i].received.Load() })
 	o.Counts["consumers_canceled"] = canceled
 
 	// Nothing may be left: the message keys of the queue are /q/{name}/0... to /q/{name}/: .
-	check, cancelCheck := context.WithTimeout(base, f.setupTimeout)
-	defer cancelCheck()
-	left, err := countKeys(check, kv, []byte(prefix+"0"), []byte(prefix+":"), f.rpcTimeout)
-	if err != nil {
-		o.fail("counting what is left in the queue: %v", err)
-	} else {
-		o.Counts["left_in_queue"] = left
-		if left != 0 {
-			o.fail("%d message key(s) left in the queue after every ack", left)
-		}
-	}
+	o.checkLeft(f.setupTimeout, func(ctx context.Context) (int64, error) {
+		return countKeys(ctx, kv, []byte(prefix+"0"), []byte(prefix+":"), f.rpcTimeout)
+	}, "in the queue", "message key(s)", "ack")
 	logf("mq: %d acked in %.2f s: %.0f msgs/s", o.Count, o.Seconds, o.PerSecond)
 }
 

@@ -16,7 +16,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/google/uuid"
 	pb "go.etcd.io/etcd/etcdserver/etcdserverpb"
 	"go.etcd.io/etcd/mvcc/mvccpb"
 	"google.golang.org/grpc"
@@ -92,56 +91,36 @@ func runRecipe(args []string) int {
 	fs.IntVar(&f.producers, "producers", 4, "producer goroutines, each with one Put in flight")
 	fs.IntVar(&f.inflight, "inflight", 128, "most messages produced and not yet claimed")
 	fs.DurationVar(&f.settle, "settle", 300*time.Millisecond, "after the last claim, keep the consumers running this long (a late second claim is a failure)")
-	ok := parseFlags(fs, args, &f.common, func() error {
+	return subcommand(fs, args, &f.common, func() error {
 		if f.consumers < 1 || f.producers < 1 || f.inflight < 1 {
 			return fmt.Errorf("--consumers, --producers and --inflight must be at least 1")
 		}
 		return nil
-	})
-	if !ok {
-		return 2
-	}
-	if f.prefix == "" {
-		f.prefix = "/bench/recipe/" + uuid.New().String()[:8] + "/"
-	}
-	o := newOutput("recipe", &f.common, "msg")
-	o.Params = map[string]any{
-		"prefix": f.prefix, "total": f.total, "consumers": f.consumers, "producers": f.producers,
-		"inflight": f.inflight, "conns": f.conns, "value_size": f.valueSize,
-	}
-	o.LatencyOf = "produce (before the Put is sent) to a successful claim (the Txn answered)"
-	errs := &errorLog{}
-	recipeRun(&f, o, errs)
-	return o.emit(errs)
+	}, func() *output {
+		if f.prefix == "" {
+			f.prefix = randomName("/bench/recipe/") + "/"
+		}
+		o := newOutput("recipe", &f.common, "msg")
+		o.Params = map[string]any{
+			"prefix": f.prefix, "total": f.total, "consumers": f.consumers, "producers": f.producers,
+			"inflight": f.inflight, "conns": f.conns, "value_size": f.valueSize,
+		}
+		o.LatencyOf = "produce (before the Put is sent) to a successful claim (the Txn answered)"
+		return o
+	}, func(o *output, errs *errorLog) { recipeRun(&f, o, errs) })
 }
 
 func recipeRun(f *recipeFlags, o *output, errs *errorLog) {
 	base := context.Background()
 	setup, cancelSetup := context.WithTimeout(base, f.setupTimeout)
 	defer cancelSetup()
-	conns, err := dial(setup, f.endpoint, f.conns)
+	conns, err := dialRoles(setup, &f.common)
 	if err != nil {
 		o.fail("%v", err)
 		return
 	}
-	defer closeAll(conns)
-	pconns, ownP, err := dialRole(setup, f.producerEPs, f.conns, conns)
-	if err != nil {
-		o.fail("producers: %v", err)
-		return
-	}
-	if ownP {
-		defer closeAll(pconns)
-	}
-	cconns, ownC, err := dialRole(setup, f.consumerEPs, f.conns, conns)
-	if err != nil {
-		o.fail("consumers: %v", err)
-		return
-	}
-	if ownC {
-		defer closeAll(cconns)
-	}
-	kv := pb.NewKVClient(conns[0])
+	defer conns.close()
+	kv := pb.NewKVClient(conns.main[0])
 	prefix := []byte(f.prefix)
 	end := prefixEnd(prefix)
 	if n, err := countKeys(setup, kv, prefix, end, f.rpcTimeout); err != nil || n != 0 {
@@ -153,7 +132,7 @@ func recipeRun(f *recipeFlags, o *output, errs *errorLog) {
 	defer stopRun()
 	consumers := make([]*recipeConsumer, f.consumers)
 	for i := range consumers {
-		c := &recipeConsumer{conn: cconns[i%len(cconns)], pending: map[string]int64{}, wake: make(chan struct{}, 1)}
+		c := &recipeConsumer{conn: conns.consumers[i%len(conns.consumers)], pending: map[string]int64{}, wake: make(chan struct{}, 1)}
 		c.stream, err = openWatch(run, c.conn, &pb.WatchCreateRequest{Key: prefix, RangeEnd: end}, f.setupTimeout)
 		if err != nil {
 			o.fail("consumer %d: %v", i, err)
@@ -165,17 +144,13 @@ func recipeRun(f *recipeFlags, o *output, errs *errorLog) {
 
 	tr := newTracker(f.total)
 	sem := newSemaphore(f.inflight)
-	var claimed, conflicts, claimTxns, events atomic.Int64
-	var lastClaim atomic.Int64
-	allClaimed := make(chan struct{})
-	var allClaimedOnce sync.Once
+	var conflicts, claimTxns, events atomic.Int64
 	measure, stopMeasure := context.WithTimeout(run, f.timeout)
 	defer stopMeasure()
 
 	var w window
 	w.open(f.serverPids)
-	start := w.t0
-	since := func() int64 { return time.Since(start).Nanoseconds() }
+	claimed := newCompletions(w.t0, f.total)
 
 	var receivers, workers sync.WaitGroup
 	for _, c := range consumers {
@@ -184,21 +159,10 @@ func recipeRun(f *recipeFlags, o *output, errs *errorLog) {
 		go func() {
 			defer receivers.Done()
 			defer c.signal()
-			for {
-				resp, err := c.stream.Recv()
-				if err != nil {
-					if !ended(run, err) {
-						errs.add("consumer watch", err)
-					}
-					return
-				}
-				if resp.Canceled {
-					errs.add("consumer watch", fmt.Errorf("canceled by the server: %s", resp.CancelReason))
-					return
-				}
-				if len(resp.Events) == 0 {
-					continue
-				}
+			canceled := func(reason string) {
+				errs.add("consumer watch", fmt.Errorf("canceled by the server: %s", reason))
+			}
+			receiveEvents(run, c.stream, errs, canceled, func(resp *pb.WatchResponse) {
 				events.Add(int64(len(resp.Events)))
 				c.mu.Lock()
 				for _, ev := range resp.Events {
@@ -217,7 +181,7 @@ func recipeRun(f *recipeFlags, o *output, errs *errorLog) {
 				}
 				c.mu.Unlock()
 				c.signal()
-			}
+			})
 		}()
 		workers.Add(1)
 		go func() {
@@ -255,21 +219,18 @@ func recipeRun(f *recipeFlags, o *output, errs *errorLog) {
 					conflicts.Add(1)
 					continue
 				}
-				now := since()
+				now := claimed.since()
 				tr.receive(m.seq, now-m.stamp)
 				c.claimed.Add(1)
-				lastClaim.Store(now)
 				sem.release(1)
-				if claimed.Add(1) >= int64(f.total) {
-					allClaimedOnce.Do(func() { close(allClaimed) })
-				}
+				claimed.add(1, now)
 			}
 		}()
 	}
 
 	var next atomic.Int64
 	for p := 0; p < f.producers; p++ {
-		pkv := pb.NewKVClient(pconns[p%len(pconns)])
+		pkv := pb.NewKVClient(conns.producers[p%len(conns.producers)])
 		workers.Add(1)
 		go func() {
 			defer workers.Done()
@@ -284,7 +245,7 @@ func recipeRun(f *recipeFlags, o *output, errs *errorLog) {
 				cctx, cancel := context.WithTimeout(measure, f.rpcTimeout)
 				_, err := pkv.Put(cctx, &pb.PutRequest{
 					Key:   []byte(fmt.Sprintf("%s%012d", f.prefix, seq)),
-					Value: value(f.valueSize, since(), seq),
+					Value: value(f.valueSize, claimed.since(), seq),
 				})
 				cancel()
 				if err != nil {
@@ -300,54 +261,23 @@ func recipeRun(f *recipeFlags, o *output, errs *errorLog) {
 
 	stopProgress := make(chan struct{})
 	progress(f.progress, stopProgress, func() string {
-		c := claimed.Load()
+		c := claimed.count()
 		return fmt.Sprintf("recipe: %d of %d claimed, %d conflicts, %.0f msgs/s so far",
-			c, f.total, conflicts.Load(), float64(c)/time.Since(start).Seconds())
+			c, f.total, conflicts.Load(), float64(c)/time.Since(w.t0).Seconds())
 	})
-	select {
-	case <-allClaimed:
-	case <-measure.Done():
-		o.fail("timed out after %s with %d of %d claimed", f.timeout, claimed.Load(), f.total)
-	}
-	w.close(start.Add(time.Duration(lastClaim.Load())))
-	close(stopProgress)
-	o.finish(&w, claimed.Load())
+	claimed.await(measure, o, &w, stopProgress, f.timeout, "claimed")
 
-	time.Sleep(f.settle)
-	stopMeasure()
-	stopRun()
-	if !waitGroupFor(&workers, 10*time.Second) || !waitGroupFor(&receivers, 10*time.Second) {
-		o.fail("producers or consumers did not stop within 10 s")
-	}
+	settleAndStop(o, f.settle, func() { stopMeasure(); stopRun() }, &workers, &receivers)
 
 	tr.check(o, "claimed")
-	o.Counts["claimed"] = claimed.Load()
+	o.Counts["claimed"] = claimed.count()
 	o.Counts["claim_txns"] = claimTxns.Load()
 	o.Counts["claim_conflicts"] = conflicts.Load()
 	o.Counts["watch_events"] = events.Load()
-	minC, maxC := int64(-1), int64(0)
-	for _, c := range consumers {
-		r := c.claimed.Load()
-		if minC < 0 || r < minC {
-			minC = r
-		}
-		if r > maxC {
-			maxC = r
-		}
-	}
-	o.Counts["per_consumer_min"] = minC
-	o.Counts["per_consumer_max"] = maxC
+	o.perConsumer(len(consumers), func(i int) int64 { return consumers[i].claimed.Load() })
 
-	check, cancelCheck := context.WithTimeout(base, f.setupTimeout)
-	defer cancelCheck()
-	left, err := countKeys(check, kv, prefix, end, f.rpcTimeout)
-	if err != nil {
-		o.fail("counting what is left under the prefix: %v", err)
-	} else {
-		o.Counts["left_in_queue"] = left
-		if left != 0 {
-			o.fail("%d key(s) left under the prefix after every claim", left)
-		}
-	}
+	o.checkLeft(f.setupTimeout, func(ctx context.Context) (int64, error) {
+		return countKeys(ctx, kv, prefix, end, f.rpcTimeout)
+	}, "under the prefix", "key(s)", "claim")
 	logf("recipe: %d claimed in %.2f s: %.0f msgs/s, %d conflicts", o.Count, o.Seconds, o.PerSecond, conflicts.Load())
 }
