@@ -44,14 +44,14 @@ own deadline. Output: a Markdown table (`--out`) and JSON (`--json`); the Markdo
 stdout, progress to stderr. Exit status 1 when any run failed or lost a put.
 
 The server processes come from `benchmarks.servers`, the command line is the set every harness
-shares (`benchmarks.options`), the tool runner is `run_tool_on` of `benchmarks.etcd_tool`; it
-also needs grpc and our generated etcd stubs (`etcdserverpb`, for the failover probe).
+shares (`benchmarks.options`), the tool runner is `run_tool_on` of `benchmarks.etcd_tool`, the
+queue driver's run comes from `benchmarks.runs`; it also needs grpc and our generated etcd
+stubs (`etcdserverpb`, for the failover probe).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -69,25 +69,25 @@ from typing import Any
 
 import grpc
 
-from benchmarks.etcd_tool import PUT_ARGS, RunResult, Workload, run_tool_on
+from benchmarks.etcd_tool import RunResult, Workload, put_args, run_tool_on
 from benchmarks.options import (
     add_common_args,
     chosen_workloads,
+    finish_report,
+    new_server,
     queue_bench,
     resolve_common_args,
     run_meta,
     stop_on_sigterm,
 )
+from benchmarks.runs import driver_answer, run_measured
 from benchmarks.servers import (
-    OTHER_CPU_WARN,
     STOP_TIMEOUT,
-    EtcdServer,
     Membership,
-    OursServer,
     Server,
-    children_cpu,
+    disturbed_note,
     free_port,
-    machine_busy_cpu,
+    named_log,
     process_tree_cpu,
 )
 from etcdserverpb import rpc_pb2, rpc_pb2_grpc
@@ -158,27 +158,22 @@ def _failover_met(ours: Side, _etcd: Side) -> bool | None:
     return ours.ok and ours.figure_s <= FAILOVER_TARGET_S
 
 
-PUT64 = ["--conns=8", "--clients=64", "put", *PUT_ARGS]
+def _put_row(name: str, where: str, endpoints: str) -> ClusterWorkload:
+    """A put row: etcd_tool's put64 flags, 30,000 puts (2,000 quick) to `endpoints`."""
+    return ClusterWorkload(
+        name,
+        f"put, 64 clients on 8 connections, {where}",
+        "tool",
+        ">= 0.8x etcd",
+        _ratio_at_least(0.8),
+        Workload(name, "", lambda n: [*put_args(8, 64), f"--total={n}"], 30_000, 2_000),
+        endpoints=endpoints,
+    )
+
 
 WORKLOADS: list[ClusterWorkload] = [
-    ClusterWorkload(
-        "put-spread",
-        "put, 64 clients on 8 connections, endpoints = the 3 members",
-        "tool",
-        ">= 0.8x etcd",
-        _ratio_at_least(0.8),
-        Workload("put-spread", "", lambda n: [*PUT64, f"--total={n}"], 30_000, 2_000),
-        endpoints="all",
-    ),
-    ClusterWorkload(
-        "put-leader",
-        "put, 64 clients on 8 connections, endpoint = the leader",
-        "tool",
-        ">= 0.8x etcd",
-        _ratio_at_least(0.8),
-        Workload("put-leader", "", lambda n: [*PUT64, f"--total={n}"], 30_000, 2_000),
-        endpoints="leader",
-    ),
+    _put_row("put-spread", "endpoints = the 3 members", "all"),
+    _put_row("put-leader", "endpoint = the leader", "leader"),
     ClusterWorkload(
         "range-follower",
         "linearizable range of one key, 64 clients on 8 connections, endpoint = a follower",
@@ -224,8 +219,7 @@ WORKLOADS: list[ClusterWorkload] = [
 WORKLOADS_BY_NAME = {w.name: w for w in WORKLOADS}
 
 
-def log(msg: str) -> None:
-    print(f"[cluster_tool {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = named_log("cluster_tool")
 
 
 # --- one cluster ---------------------------------------------------------------------------
@@ -244,10 +238,7 @@ class Cluster:
             work = root / f"{kind}-{name}"
             work.mkdir(parents=True)
             m = Membership(name, peers[name], initial, token=f"bench-{kind}")
-            if kind == "ours":
-                self.members.append(OursServer(work, args.etcdctl, None, args.ours_dir, m))
-            else:
-                self.members.append(EtcdServer(work, args.etcdctl, args.etcd, m))
+            self.members.append(new_server(kind, work, args, m))
 
     @property
     def pids(self) -> list[int]:
@@ -272,6 +263,14 @@ class Cluster:
     def stop(self) -> None:
         for m in self.members:
             m.stop()
+
+    def ready_line(self, leader: Server) -> str:
+        """What the progress line says of a started cluster: its members and its leader."""
+        return (
+            f"  {self.kind} cluster ready: "
+            + ", ".join(f"{m.work_dir.name} {m.endpoint} pid {m.pid}" for m in self.members)
+            + f"; leader {leader.work_dir.name}"
+        )
 
     @staticmethod
     def endpoint_status(m: Server) -> dict[str, Any]:
@@ -354,11 +353,8 @@ class Side:
         return self.per_request_us(self.tool_cpu_s)
 
     def flag_disturbed(self) -> None:
-        if self.wall_s and self.other_cpu_s and self.other_cpu_s / self.wall_s > OTHER_CPU_WARN:
-            self.notes.append(
-                f"other processes used {self.other_cpu_s:.1f} CPU-s during the run "
-                f"({self.other_cpu_s / self.wall_s:.2f} cores): figures may be disturbed"
-            )
+        if note := disturbed_note(self.other_cpu_s, self.wall_s):
+            self.notes.append(note)
 
 
 def side_of_tool(res: RunResult) -> Side:
@@ -396,10 +392,7 @@ def run_tool_row(
         targets = cluster.followers(leader)[:1]
     else:
         targets = cluster.members
-    if cw.tool.setup_key is not None:
-        r = leader.etcdctl_run("put", cw.tool.setup_key, "bar", timeout=20.0)
-        if r.returncode != 0:
-            raise RuntimeError(f"setup put {cw.tool.setup_key} failed: {r.stderr.strip()}")
+    cw.tool.set_up(leader)
     endpoints = ",".join(m.endpoint for m in targets)
     work = cluster.members[0].work_dir.parent
     res = run_tool_on(args.tool, cluster.members, endpoints, cw.tool, n, args.timeout, work)
@@ -435,39 +428,16 @@ def run_queue_row(cluster: Cluster, leader: Server, n: int, args: argparse.Names
     work = cluster.members[0].work_dir.parent
     out_path = work / f"queue-{cluster.kind}.json"
     with open(out_path, "wb") as out, open(work / f"queue-{cluster.kind}.err", "wb") as err:
-        busy0, drv0 = machine_busy_cpu(), children_cpu()
-        srv0 = sum(process_tree_cpu(p) for p in cluster.pids)
-        t0 = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
-        rc: int | None = None
-        try:
-            rc = proc.wait(timeout=args.timeout + QUEUE_SETUP_TIMEOUT + KILL_MARGIN)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            if proc.poll() is None:  # timed out, or we are being stopped: end it by its pid
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=STOP_TIMEOUT)
-        side.wall_s = time.monotonic() - t0
-        srv_run = sum(process_tree_cpu(p) for p in cluster.pids) - srv0
-        drv_run = children_cpu() - drv0
-        side.other_cpu_s = max(machine_busy_cpu() - busy0 - srv_run - drv_run, 0.0)
-    text = out_path.read_text(errors="replace").strip()
-    driver: dict[str, Any] | None = None
-    if text:
-        try:
-            driver = json.loads(text.splitlines()[-1])
-        except json.JSONDecodeError as e:
-            side.error = f"the driver's output is not JSON ({e}): {text[-300:]}"
-    if rc is None:
-        side.error = f"the driver was killed after {side.wall_s:.0f}s (past its own bounds)"
-    elif driver is None:
-        side.error = side.error or f"the driver exited with code {rc} and no JSON output"
-    elif rc != 0 or not driver.get("ok"):
-        side.error = "; ".join(str(f) for f in driver.get("failures") or [f"exit code {rc}"])
-    else:
-        side.ok = True
+        done = run_measured(
+            cmd,
+            out,
+            err,
+            args.timeout + QUEUE_SETUP_TIMEOUT + KILL_MARGIN,
+            lambda: sum(process_tree_cpu(p) for p in cluster.pids),
+        )
+    side.wall_s, side.other_cpu_s = done.wall_s, done.other_cpu_s
+    driver, side.error = driver_answer(out_path, done)
+    side.ok = side.error is None
     if driver is not None:
         # The driver's own window (first produce to last ack/claim) for rate and CPU.
         side.detail["driver"] = driver
@@ -701,11 +671,7 @@ def run_on(kind: str, cw: ClusterWorkload, args: argparse.Namespace, root: Path)
     try:
         cluster = Cluster(kind, root, args)
         leader = cluster.start()
-        log(
-            f"  {kind} cluster ready: "
-            + ", ".join(f"{m.work_dir.name} {m.endpoint} pid {m.pid}" for m in cluster.members)
-            + f"; leader {leader.work_dir.name}"
-        )
+        log(cluster.ready_line(leader))
         if cw.mode == "tool":
             side = run_tool_row(cw, cluster, leader, n, args)
         elif cw.mode == "queue":
@@ -925,24 +891,10 @@ def run_all(args: argparse.Namespace, mode: str, started: float) -> int:
             log(f"  kept {root} (member logs, tool output)")
     meta["duration_s"] = round(time.monotonic() - started, 1)
     meta["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    md = markdown(rows, meta)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(md)
-        log(f"wrote {args.out}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(to_json(rows, meta), indent=2) + "\n")
-        log(f"wrote {args.json}")
-    print(md)
     failed = [
         f"{r.workload.name} on {s.server}" for r in rows for s in (r.ours, r.etcd) if not s.ok
     ]
-    if failed:
-        log(f"FAILED: {', '.join(failed)}")
-        return 1
-    log(f"done in {time.monotonic() - started:.0f}s")
-    return 0
+    return finish_report(args, markdown(rows, meta), to_json(rows, meta), failed, started, log)
 
 
 if __name__ == "__main__":

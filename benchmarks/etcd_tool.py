@@ -33,18 +33,17 @@ time to hand each event of a received response to the tool, not a server latency
 shows no p50 for it.
 
 The server processes and /proc readings come from `benchmarks.servers`, the command line is the
-set every harness shares (`benchmarks.options`); besides those it needs only the standard
-library, the etcd and etcdctl binaries and the built tool.
+set every harness shares (`benchmarks.options`), the measured tool run from `benchmarks.runs`;
+besides those it needs only the standard library, the etcd and etcdctl binaries and the built
+tool.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,19 +55,19 @@ from typing import Any
 from benchmarks.options import (
     add_common_args,
     chosen_workloads,
+    finish_report,
+    new_server,
     resolve_common_args,
     run_meta,
     stop_on_sigterm,
 )
+from benchmarks.runs import run_measured
 from benchmarks.servers import (
-    OTHER_CPU_WARN,
-    STOP_TIMEOUT,
-    EtcdServer,
     OursServer,
     Server,
     StartupRejected,
-    children_cpu,
-    machine_busy_cpu,
+    disturbed_note,
+    named_log,
     process_tree_cpu,
 )
 
@@ -77,6 +76,11 @@ QUICK_RUN_TIMEOUT = 180.0
 FULL_RUN_TIMEOUT = 900.0
 
 PUT_ARGS = ["--key-size=8", "--val-size=256", "--sequential-keys", "--key-space-size=100000"]
+
+
+def put_args(conns: int, clients: int) -> list[str]:
+    """The tool's `put` of the put rows (8 B keys, 256 B values) over `conns` connections."""
+    return [f"--conns={conns}", f"--clients={clients}", "put", *PUT_ARGS]
 
 
 @dataclass(frozen=True)
@@ -95,26 +99,34 @@ class Workload:
     """The header of the report section to parse (the watch tool prints two)."""
     has_latency: bool = True
 
+    def set_up(self, server: Server) -> None:
+        """Put the key the workload reads (if it reads one) through `server`, with etcdctl."""
+        if self.setup_key is None:
+            return
+        r = server.etcdctl_run("put", self.setup_key, "bar", timeout=SETUP_TIMEOUT)
+        if r.returncode != 0:
+            raise RuntimeError(f"setup put {self.setup_key} failed: {r.stderr.strip()}")
+
 
 WORKLOADS: list[Workload] = [
     Workload(
         "put1",
         "put, 1 connection, 1 client (fsync latency bound)",
-        lambda n: ["--conns=1", "--clients=1", "put", *PUT_ARGS, f"--total={n}"],
+        lambda n: [*put_args(1, 1), f"--total={n}"],
         full=20_000,
         quick=1_500,
     ),
     Workload(
         "put64",
         "put, 8 connections, 64 clients",
-        lambda n: ["--conns=8", "--clients=64", "put", *PUT_ARGS, f"--total={n}"],
+        lambda n: [*put_args(8, 64), f"--total={n}"],
         full=150_000,
         quick=8_000,
     ),
     Workload(
         "put256",
         "put, 16 connections, 256 clients",
-        lambda n: ["--conns=16", "--clients=256", "put", *PUT_ARGS, f"--total={n}"],
+        lambda n: [*put_args(16, 256), f"--total={n}"],
         full=200_000,
         quick=8_000,
     ),
@@ -180,8 +192,7 @@ WORKLOADS: list[Workload] = [
 WORKLOADS_BY_NAME = {w.name: w for w in WORKLOADS}
 
 
-def log(msg: str) -> None:
-    print(f"[etcd_tool {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = named_log("etcd_tool")
 
 
 # --- the tool's report ---------------------------------------------------------------------
@@ -283,21 +294,10 @@ def run_tool_on(
         return sum(process_tree_cpu(s.pid) for s in servers)
 
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        tool_cpu0 = children_cpu()
-        busy0 = machine_busy_cpu()
-        cpu0 = servers_cpu()
-        t0 = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
-        try:
-            rc: int | None = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-            proc.kill()
-            proc.wait(timeout=STOP_TIMEOUT)
-        res.wall_s = time.monotonic() - t0
-        res.server_cpu_s = servers_cpu() - cpu0
-        res.tool_cpu_s = children_cpu() - tool_cpu0
-        res.other_cpu_s = max(machine_busy_cpu() - busy0 - res.server_cpu_s - res.tool_cpu_s, 0.0)
+        run = run_measured(cmd, out, err, timeout, servers_cpu)
+    rc = run.rc
+    res.wall_s, res.server_cpu_s = run.wall_s, run.server_cpu_s
+    res.tool_cpu_s, res.other_cpu_s = run.tool_cpu_s, run.other_cpu_s
     text = out_path.read_text(errors="replace")
     res.report = parse_report(text, wl.summary)
     if rc is None:
@@ -313,11 +313,8 @@ def run_tool_on(
         if server.proc is not None and server.proc.poll() is not None:
             res.ok = False
             res.error = f"server exited with code {server.proc.returncode} during the run"
-    if res.wall_s and res.other_cpu_s / res.wall_s > OTHER_CPU_WARN:
-        res.notes.append(
-            f"other processes used {res.other_cpu_s:.1f} CPU-s during the run "
-            f"({res.other_cpu_s / res.wall_s:.2f} cores): figures may be disturbed"
-        )
+    if note := disturbed_note(res.other_cpu_s, res.wall_s):
+        res.notes.append(note)
     if res.report.errors:
         res.notes.append(
             "tool errors: " + "; ".join(f"{c}x {m}" for m, c in res.report.errors.items())
@@ -358,13 +355,10 @@ def run_one(
         if kind == "ours":
             server, note = start_ours(work_dir, etcdctl, args.transport, args.ours_dir)
         else:
-            server = EtcdServer(work_dir, etcdctl, args.etcd)
+            server = new_server(kind, work_dir, args)
             server.start()
         log(f"  {kind} ready on {server.endpoint} (pid {server.pid})")
-        if wl.setup_key is not None:
-            r = server.etcdctl_run("put", wl.setup_key, "bar", timeout=SETUP_TIMEOUT)
-            if r.returncode != 0:
-                raise RuntimeError(f"setup put {wl.setup_key} failed: {r.stderr.strip()}")
+        wl.set_up(server)
         res = run_tool(args.tool, server, wl, n, args.timeout, work_dir)
     except Exception as e:
         res = RunResult(server=kind, workload=wl.name, command=[], ok=False, error=str(e))
@@ -507,8 +501,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta["transport"] = args.transport or "default"
     requested_transport = args.transport
     args.transport_note = ""
+    started = time.monotonic()
     rows: list[tuple[Workload, int, RunResult, RunResult]] = []
-    failed = False
+    failed: list[str] = []
     for wl in args.workload_list:
         n = wl.quick if args.quick else wl.full
         work_dir = Path(tempfile.mkdtemp(prefix=f"etcd-tool-{wl.name}-"))
@@ -531,22 +526,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if results["ours"].ok and results["etcd"].ok:
             shutil.rmtree(work_dir, ignore_errors=True)
         else:
-            failed = True
+            failed += [f"{wl.name} on {kind}" for kind, r in results.items() if not r.ok]
             log(f"  kept {work_dir} (logs)")
     if args.transport_note:
         meta["transport"] = (
             f"{requested_transport} requested, but our server rejected --grpc-transport; "
             "it ran with its default"
         )
-    md = markdown(rows, meta)
-    if args.out:
-        args.out.write_text(md)
-        log(f"wrote {args.out}")
-    if args.json:
-        args.json.write_text(json.dumps(to_json(rows, meta), indent=2) + "\n")
-        log(f"wrote {args.json}")
-    print(md)
-    return 1 if failed else 0
+    return finish_report(args, markdown(rows, meta), to_json(rows, meta), failed, started, log)
 
 
 if __name__ == "__main__":

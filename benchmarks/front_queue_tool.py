@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import queue
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -45,7 +43,15 @@ import grpc
 
 from benchmarks.cluster_tool import Cluster
 from benchmarks.front_tool import FrontServer
-from benchmarks.options import add_common_args, resolve_common_args, run_meta, stop_on_sigterm
+from benchmarks.options import (
+    add_common_args,
+    finish_report,
+    queue_bench,
+    resolve_common_args,
+    run_meta,
+    stop_on_sigterm,
+)
+from benchmarks.runs import driver_answer, run_measured
 from benchmarks.servers import log, process_tree_cpu
 from etcdserverpb import kv_pb2, rpc_pb2, rpc_pb2_grpc
 
@@ -62,20 +68,15 @@ FAILOVER_BOUND = 20.0
 
 
 def run_driver(cmd: list[str], timeout: float, work: Path, name: str) -> dict[str, Any]:
+    """queue-bench's answer, or `ok` false and the failure when it gave none or was killed."""
     out_path, err_path = work / f"{name}.json", work / f"{name}.err"
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
-        try:
-            proc.wait(timeout=timeout + 30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-            return {"ok": False, "failures": ["killed: past its bound"]}
-    lines = out_path.read_text(errors="replace").strip().splitlines()
-    if not lines:
-        return {"ok": False, "failures": [err_path.read_text(errors="replace")[-300:]]}
-    result: dict[str, Any] = json.loads(lines[-1])
-    return result
+        done = run_measured(cmd, out, err, timeout + 30, lambda: 0.0)
+    driver, error = driver_answer(out_path, done)
+    if driver is None or done.rc is None:
+        tail = err_path.read_text(errors="replace")[-300:]
+        return {"ok": False, "failures": [f"{error}: {tail}"]}
+    return driver
 
 
 def measured(
@@ -128,8 +129,6 @@ def run_failover(etcd: Cluster, args: argparse.Namespace, work: Path) -> dict[st
     backend = ",".join(m.url for m in etcd.members)
     fronts = [FrontServer(work / f"fo{i}", args.etcdctl, backend) for i in (1, 2)]
     for f in fronts:
-        f.work_dir.mkdir(parents=True, exist_ok=True)
-        f.log_path = f.work_dir / "front.log"
         f.start()
     name = b"failover-%s" % uuid.uuid4().hex[:8].encode()
     consumers = [Consumer(f.endpoint, name) for f in fronts]
@@ -243,13 +242,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add_common_args(p, QUICK_TIMEOUT, FULL_TIMEOUT)
     p.add_argument("--kills", type=int, default=5, help="SIGKILLs of the dispatching front")
     args = p.parse_args(argv)
-    resolve_common_args(p, args, QUICK_TIMEOUT, FULL_TIMEOUT)
+    resolve_common_args(p, args, QUICK_TIMEOUT, FULL_TIMEOUT, need_tool=False, need_queue_tool=True)
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, stop_on_sigterm)
+    with queue_bench(args):
+        return run_all(args)
+
+
+def run_all(args: argparse.Namespace) -> int:
+    started = time.monotonic()
     meta = run_meta(args)
     n = QUICK_MESSAGES if args.quick else FULL_MESSAGES
     root = Path(tempfile.mkdtemp(prefix="front-queue-tool-"))
@@ -279,8 +284,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             ]
             try:
                 for f in fronts:
-                    f.work_dir.mkdir(parents=True)
-                    f.log_path = f.work_dir / "front.log"
                     f.start()
                 consumers = fronts[1:] or fronts
                 cmd = [
@@ -310,18 +313,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         failover = run_failover(etcd, args, root)
     finally:
         etcd.stop()
-    md = markdown(rows, failover, meta)
-    if args.out:
-        args.out.write_text(md)
-    if args.json:
-        args.json.write_text(
-            json.dumps({"meta": meta, "rows": rows, "failover": failover}, indent=2) + "\n"
-        )
-    print(md)
-    ok = all(r.get("ok") for r in rows.values()) and failover.get("ok")
-    if ok:
+    failed = [name for name, r in rows.items() if not r.get("ok")]
+    failed += [] if failover.get("ok") else ["failover"]
+    if not failed:
         shutil.rmtree(root, ignore_errors=True)
-    return 0 if ok else 1
+    doc = {"meta": meta, "rows": rows, "failover": failover}
+    return finish_report(args, markdown(rows, failover, meta), doc, failed, started, log)
 
 
 if __name__ == "__main__":

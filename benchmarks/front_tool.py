@@ -18,11 +18,11 @@ JSON. The paths run one after another, never at the same time.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -31,7 +31,6 @@ from typing import Any
 from benchmarks.etcd_tool import (
     FULL_RUN_TIMEOUT,
     QUICK_RUN_TIMEOUT,
-    SETUP_TIMEOUT,
     WORKLOADS_BY_NAME,
     RunResult,
     Workload,
@@ -40,6 +39,7 @@ from benchmarks.etcd_tool import (
 from benchmarks.options import (
     add_common_args,
     chosen_workloads,
+    finish_report,
     resolve_common_args,
     run_meta,
     stop_on_sigterm,
@@ -51,9 +51,11 @@ DEFAULT_WORKLOADS = ("put64", "range64")
 
 
 class FrontServer(OursServer):
-    """Our server as a front over `backend` (no data dir of its own)."""
+    """Our server as a front over `backend` (no data dir of its own; `work_dir`, made here if
+    need be, holds its log)."""
 
     def __init__(self, work_dir: Path, etcdctl: str, backend: str) -> None:
+        work_dir.mkdir(parents=True, exist_ok=True)
         super().__init__(work_dir, etcdctl, None)
         self.kind = "front"
         self.log_path = work_dir / "front.log"
@@ -99,7 +101,6 @@ def run_path(
     """One measured run on a fresh etcd; (result, etcd's CPU seconds over the run)."""
     etcd = EtcdServer(work_dir / path, args.etcdctl, args.etcd)
     etcd.work_dir.mkdir(parents=True, exist_ok=True)
-    etcd.log_path = etcd.work_dir / "etcd.log"
     middle: Server | None = None
     try:
         etcd.start()
@@ -111,10 +112,7 @@ def run_path(
             middle.start()
         target = middle or etcd
         log(f"  {path}: serving on {target.endpoint} (pid {target.pid})")
-        if wl.setup_key is not None:
-            r = target.etcdctl_run("put", wl.setup_key, "bar", timeout=SETUP_TIMEOUT)
-            if r.returncode != 0:
-                raise RuntimeError(f"setup put {wl.setup_key} failed: {r.stderr.strip()}")
+        wl.set_up(target)
         etcd_cpu0 = process_tree_cpu(etcd.pid)
         res = run_tool_on(args.tool, [target], target.endpoint, wl, n, args.timeout, work_dir)
         etcd_cpu = process_tree_cpu(etcd.pid) - etcd_cpu0
@@ -186,8 +184,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = run_meta(args)
     meta["tool"] = args.tool
     meta["mode"] = "quick" if args.quick else "full"
+    started = time.monotonic()
     rows = []
-    failed = False
+    failed: list[str] = []
     for wl in args.workload_list:
         n = wl.quick if args.quick else wl.full
         work_dir = Path(tempfile.mkdtemp(prefix=f"front-tool-{wl.name}-"))
@@ -199,32 +198,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             if res.ok and res.report.rps is not None:
                 log(f"  {path}: {res.report.rps:,.0f} req/s, CPU {res.server_cpu_s:.2f}s")
             else:
-                failed = True
+                failed.append(f"{wl.name} on {path}")
                 log(f"  {path}: FAILED: {res.error}")
         rows.append((wl, n, results))
         if not failed:
             shutil.rmtree(work_dir, ignore_errors=True)
-    md = markdown(rows, meta)
-    if args.out:
-        args.out.write_text(md)
-    if args.json:
-        payload = {
-            "meta": meta,
-            "rows": [
-                {
-                    "workload": wl.name,
-                    "total": n,
-                    "paths": {
-                        path: {"result": asdict(res), "etcd_cpu_s": cpu}
-                        for path, (res, cpu) in results.items()
-                    },
-                }
-                for wl, n, results in rows
-            ],
-        }
-        args.json.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    print(md)
-    return 1 if failed else 0
+    payload = {
+        "meta": meta,
+        "rows": [
+            {
+                "workload": wl.name,
+                "total": n,
+                "paths": {
+                    path: {"result": asdict(res), "etcd_cpu_s": cpu}
+                    for path, (res, cpu) in results.items()
+                },
+            }
+            for wl, n, results in rows
+        ],
+    }
+    return finish_report(args, markdown(rows, meta), payload, failed, started, log)
 
 
 if __name__ == "__main__":

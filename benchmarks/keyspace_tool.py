@@ -58,7 +58,6 @@ The server classes and the /proc readings come from `benchmarks.servers`, the ar
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -74,8 +73,15 @@ import grpc
 
 from benchmarks.cluster_tool import Cluster
 from benchmarks.etcd_tool import RunResult, Workload, run_tool_on
-from benchmarks.options import add_common_args, resolve_common_args, run_meta, stop_on_sigterm
-from benchmarks.servers import EtcdServer, OursServer, Server, process_tree_rss
+from benchmarks.options import (
+    add_common_args,
+    finish_report,
+    new_server,
+    resolve_common_args,
+    run_meta,
+    stop_on_sigterm,
+)
+from benchmarks.servers import Server, named_log, process_tree_rss
 from etcdserverpb import rpc_pb2, rpc_pb2_grpc
 
 KEY_SIZE = 16
@@ -110,8 +116,7 @@ FIRST_KEY = b"\0" * KEY_SIZE
 MB = 1024 * 1024
 
 
-def log(msg: str) -> None:
-    print(f"[keyspace_tool {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = named_log("keyspace_tool")
 
 
 # --- what is loaded ------------------------------------------------------------------------
@@ -314,12 +319,6 @@ def rss_mb(pids: Sequence[int]) -> float:
 # --- one member ----------------------------------------------------------------------------
 
 
-def new_server(kind: str, work: Path, args: argparse.Namespace) -> Server:
-    if kind == "ours":
-        return OursServer(work, args.etcdctl, None, args.ours_dir)
-    return EtcdServer(work, args.etcdctl, args.etcd)
-
-
 def load(
     side: Side,
     parts: Sequence[Part],
@@ -453,12 +452,7 @@ def run_cluster(kind: str, parts: Sequence[Part], args: argparse.Namespace, root
     cluster: Cluster | None = None
     try:
         cluster = Cluster(kind, root, args)
-        leader = cluster.start()
-        log(
-            f"  {kind} cluster ready: "
-            + ", ".join(f"{m.work_dir.name} {m.endpoint} pid {m.pid}" for m in cluster.members)
-            + f"; leader {leader.work_dir.name}"
-        )
+        log(cluster.ready_line(cluster.start()))
         c = cluster
         side.raft_term_start = raft_term(c)
         if load(side, parts, c.members, c.wait_leader, args, root, lambda: raft_term(c)):
@@ -832,24 +826,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         scenarios.append(Scenario(name, title, parts, sides["ours"], sides["etcd"]))
     meta["duration_s"] = round(time.monotonic() - started, 1)
     meta["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    md = markdown(scenarios, meta)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(md)
-        log(f"wrote {args.out}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(to_json(scenarios, meta), indent=2) + "\n")
-        log(f"wrote {args.json}")
-    print(md)
     failed = [
         f"{sc.name} on {s.server}" for sc in scenarios for s in (sc.ours, sc.etcd) if not s.ok
     ]
-    if failed:
-        log(f"FAILED: {', '.join(failed)}")
-        return 1
-    log(f"done in {time.monotonic() - started:.0f}s")
-    return 0
+    md, doc = markdown(scenarios, meta), to_json(scenarios, meta)
+    return finish_report(args, md, doc, failed, started, log)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ What it owns: the one argument set of `benchmarks.etcd_tool`, `queue_tool`, `clu
 what is missing and how to get it), the choice of workloads from `--workloads`, where etcd's
 benchmark tool is found (`--tool`, `$ETCD_BENCHMARK`, /tmp/tools/etcd-benchmark, PATH) and how
 our queue driver is built when `--queue-tool` names none (`queue_bench`), SIGTERM unwinding like
-Ctrl-C (so every harness stops what it started), and the facts each report opens with
-(`run_meta`).
+Ctrl-C (so every harness stops what it started), the server of a kind the options name
+(`new_server`: ours from `--ours-dir`, or the `--etcd` binary), the facts each report opens with
+(`run_meta`) and how each ends (`finish_report`: the Markdown and JSON where `--out` and
+`--json` say, the Markdown on stdout, the exit status).
 
 | option | meaning |
 |---|---|
@@ -25,16 +27,27 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-from benchmarks.servers import REPO_ROOT, etcd_version, git_commit, log
+from benchmarks.servers import (
+    REPO_ROOT,
+    EtcdServer,
+    Membership,
+    OursServer,
+    Server,
+    etcd_version,
+    git_commit,
+    log,
+)
 from tests.support.shared_tools import shared_tools_dir
 
 DEFAULT_TOOL = Path("/tmp/tools/etcd-benchmark")
@@ -219,3 +232,39 @@ def run_meta(args: argparse.Namespace) -> dict[str, Any]:
         "ours_dir": str(args.ours_dir),
         "python": sys.version.split()[0],
     }
+
+
+def new_server(
+    kind: str, work_dir: Path, args: argparse.Namespace, membership: Membership | None = None
+) -> Server:
+    """A server of `kind` ("ours" from `--ours-dir`, or "etcd", the `--etcd` binary), data in
+    `work_dir`, not started; alone, or a member of a cluster with `membership`."""
+    if kind == "ours":
+        return OursServer(work_dir, args.etcdctl, None, args.ours_dir, membership)
+    return EtcdServer(work_dir, args.etcdctl, args.etcd, membership)
+
+
+def finish_report(
+    args: argparse.Namespace,
+    markdown: str,
+    doc: dict[str, Any],
+    failed: Sequence[str],
+    started: float,
+    log: Callable[[str], None],
+) -> int:
+    """End a harness run: the Markdown to `--out` and `doc` as JSON to `--json` (when given),
+    the Markdown on stdout; the exit status, 1 when anything in `failed` (named) failed."""
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(markdown)
+        log(f"wrote {args.out}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        log(f"wrote {args.json}")
+    print(markdown)
+    if failed:
+        log(f"FAILED: {', '.join(failed)}")
+        return 1
+    log(f"done in {time.monotonic() - started:.0f}s")
+    return 0

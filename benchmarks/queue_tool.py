@@ -48,12 +48,8 @@ goes to stdout, progress to stderr.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -65,21 +61,20 @@ from typing import Any
 from benchmarks.options import (
     add_common_args,
     chosen_workloads,
+    finish_report,
     go_version,
+    new_server,
     queue_bench,
     resolve_common_args,
     run_meta,
     stop_on_sigterm,
 )
+from benchmarks.runs import driver_answer, run_measured
 from benchmarks.servers import (
-    OTHER_CPU_WARN,
     REPO_ROOT,
-    STOP_TIMEOUT,
-    EtcdServer,
-    OursServer,
     Server,
-    children_cpu,
-    machine_busy_cpu,
+    disturbed_note,
+    named_log,
     process_tree_cpu,
 )
 
@@ -117,37 +112,39 @@ RECIPE = Run(
     quick=300,
     unit="msg",
 )
-MQ = Run(
-    "mq",
-    "mq",
-    lambda n: [
+
+
+def _mq(
+    name: str,
+    producers: int,
+    batch: int,
+    acks_in_flight: int,
+    inflight: int,
+    full: int,
+    quick: int,
+    prefetch: int | None = None,
+) -> Run:
+    """An `mq` run: 8 consumers on 4 connections, `batch` puts per produce request and deletes
+    per ack (batched acks linger 20 ms to fill), at most `inflight` messages unacknowledged."""
+    linger = ["--ack-linger=20ms"] if batch > 1 else []
+    window = [] if prefetch is None else [f"--prefetch={prefetch}"]
+    flags = [
         "--consumers=8",
-        "--producers=8",
-        "--put-batch=1",
-        "--ack-batch=1",
-        "--acks-in-flight=4",
-        "--inflight=128",
+        f"--producers={producers}",
+        f"--put-batch={batch}",
+        f"--ack-batch={batch}",
+        f"--acks-in-flight={acks_in_flight}",
+        *linger,
+        f"--inflight={inflight}",
+        *window,
         "--conns=4",
-    ],
-    full=60_000,
-    quick=1_000,
-    unit="msg",
-)
-MQ_WIDE = Run(
-    "mq-64",
-    "mq",
-    lambda n: [
-        "--consumers=8",
-        "--producers=64",
-        "--put-batch=1",
-        "--ack-batch=1",
-        "--acks-in-flight=16",
-        "--inflight=1024",
-        "--conns=4",
-    ],
-    full=60_000,
-    quick=1_000,
-    unit="msg",
+    ]
+    return Run(name, "mq", lambda n: flags, full=full, quick=quick, unit="msg")
+
+
+MQ = _mq("mq", producers=8, batch=1, acks_in_flight=4, inflight=128, full=60_000, quick=1_000)
+MQ_WIDE = _mq(
+    "mq-64", producers=64, batch=1, acks_in_flight=16, inflight=1024, full=60_000, quick=1_000
 )
 """Issue 25's single-message row: as many producers as etcd_tool's put64 has clients, 16 acks
 in flight per consumer, at most 1024 messages unacknowledged (cluster_tool's queue row)."""
@@ -160,56 +157,21 @@ RECIPE_WIDE = Run(
     unit="msg",
 )
 """etcd's recipe with the clients of `MQ_WIDE`: the baseline of its ratio."""
-MQ_BATCHED = Run(
-    "mq-batched",
-    "mq",
-    lambda n: [
-        "--consumers=8",
-        "--producers=4",
-        "--put-batch=16",
-        "--ack-batch=16",
-        "--acks-in-flight=2",
-        "--ack-linger=20ms",
-        "--inflight=512",
-        "--conns=4",
-    ],
-    full=200_000,
-    quick=3_200,
-    unit="msg",
+MQ_BATCHED = _mq(
+    "mq-batched", producers=4, batch=16, acks_in_flight=2, inflight=512, full=200_000, quick=3_200
 )
-MQ_DEEP = Run(
-    "mq-deep",
-    "mq",
-    lambda n: [
-        "--consumers=8",
-        "--producers=16",
-        "--put-batch=1",
-        "--ack-batch=1",
-        "--acks-in-flight=4",
-        "--inflight=512",
-        "--conns=4",
-    ],
-    full=60_000,
-    quick=1_000,
-    unit="msg",
+MQ_DEEP = _mq(
+    "mq-deep", producers=16, batch=1, acks_in_flight=4, inflight=512, full=60_000, quick=1_000
 )
-MQ_BATCHED_PREFETCH = Run(
+MQ_BATCHED_PREFETCH = _mq(
     "mq-batched-prefetch",
-    "mq",
-    lambda n: [
-        "--consumers=8",
-        "--producers=8",
-        "--put-batch=16",
-        "--ack-batch=16",
-        "--acks-in-flight=2",
-        "--ack-linger=20ms",
-        "--inflight=4096",
-        "--prefetch=1000",
-        "--conns=4",
-    ],
+    producers=8,
+    batch=16,
+    acks_in_flight=2,
+    inflight=4096,
     full=200_000,
     quick=3_200,
-    unit="msg",
+    prefetch=1000,
 )
 CQS_DEQUEUE = Run(
     "cqs-dequeue",
@@ -327,8 +289,7 @@ WORKLOADS: list[Workload] = [
 WORKLOADS_BY_NAME = {w.name: w for w in WORKLOADS}
 
 
-def log(msg: str) -> None:
-    print(f"[queue_tool {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = named_log("queue_tool")
 
 
 # --- one driver run against one fresh server -------------------------------------------------
@@ -382,49 +343,23 @@ def drive(
     res = RunResult(run=run.name, server=server.kind, command=cmd)
     out_path = work / f"{run.name}-{server.kind}.json"
     with open(out_path, "wb") as out:
-        busy0, drv0, srv0 = machine_busy_cpu(), children_cpu(), process_tree_cpu(server.pid)
-        t0 = time.monotonic()
         # stderr (the driver's progress lines) goes straight to ours
-        proc = subprocess.Popen(cmd, stdout=out, stdin=subprocess.DEVNULL)
-        rc: int | None = None
-        try:
-            rc = proc.wait(timeout=timeout + SETUP_TIMEOUT + KILL_MARGIN)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            if proc.poll() is None:  # timed out, or we are being stopped: end it by its pid
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=STOP_TIMEOUT)
-        res.wall_s = time.monotonic() - t0
-        res.server_cpu_run_s = process_tree_cpu(server.pid) - srv0
-        res.driver_cpu_s = children_cpu() - drv0
-        res.other_cpu_s = max(
-            machine_busy_cpu() - busy0 - res.server_cpu_run_s - res.driver_cpu_s, 0.0
+        done = run_measured(
+            cmd,
+            out,
+            None,
+            timeout + SETUP_TIMEOUT + KILL_MARGIN,
+            lambda: process_tree_cpu(server.pid),
         )
-    text = out_path.read_text(errors="replace").strip()
-    if text:
-        try:
-            res.driver = json.loads(text.splitlines()[-1])
-        except json.JSONDecodeError as e:
-            res.error = f"the driver's output is not JSON ({e}): {text[-300:]}"
-    if rc is None:
-        res.error = f"the driver was killed after {res.wall_s:.0f}s (past its own bounds)"
-    elif res.driver is None:
-        res.error = res.error or f"the driver exited with code {rc} and no JSON output"
-    elif rc != 0 or not res.driver.get("ok"):
-        failures = res.driver.get("failures") or [f"exit code {rc}"]
-        res.error = "; ".join(str(f) for f in failures)
-    else:
-        res.ok = True
+    res.wall_s, res.server_cpu_run_s = done.wall_s, done.server_cpu_s
+    res.driver_cpu_s, res.other_cpu_s = done.tool_cpu_s, done.other_cpu_s
+    res.driver, res.error = driver_answer(out_path, done)
+    res.ok = res.error is None
     if server.proc is not None and server.proc.poll() is not None:
         res.ok = False
         res.error = f"the server exited with code {server.proc.returncode} during the run"
-    if res.wall_s and res.other_cpu_s / res.wall_s > OTHER_CPU_WARN:
-        res.notes.append(
-            f"other processes used {res.other_cpu_s:.1f} CPU-s during the run "
-            f"({res.other_cpu_s / res.wall_s:.2f} cores): figures may be disturbed"
-        )
+    if note := disturbed_note(res.other_cpu_s, res.wall_s):
+        res.notes.append(note)
     return res
 
 
@@ -434,10 +369,7 @@ def run_on(kind: str, run: Run, args: argparse.Namespace) -> RunResult:
     server: Server | None = None
     log(f"{run.name} on {kind}: {run.quick if args.quick else run.full:,} {run.unit}s in {work}")
     try:
-        if kind == "ours":
-            server = OursServer(work, args.etcdctl, None, args.ours_dir)
-        else:
-            server = EtcdServer(work, args.etcdctl, args.etcd)
+        server = new_server(kind, work, args)
         server.start()
         log(f"  {kind} ready on {server.endpoint} (pid {server.pid})")
         res = drive(args.queue_tool, server, run, args.quick, args.timeout, work)
@@ -688,22 +620,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             ours = result("ours", wl.ours)
             rows.append(Row(wl, ours, etcd))
         meta["duration_s"] = round(time.monotonic() - started, 1)
-        md = markdown(rows, runs, meta)
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(md)
-            log(f"wrote {args.out}")
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(to_json(rows, runs, meta), indent=2) + "\n")
-            log(f"wrote {args.json}")
-        print(md)
         failed = [f"{r.run} on {r.server}" for r in runs if not r.ok]
-        if failed:
-            log(f"FAILED: {', '.join(failed)}")
-            return 1
-        log(f"done in {time.monotonic() - started:.0f}s")
-        return 0
+        return finish_report(
+            args, markdown(rows, runs, meta), to_json(rows, runs, meta), failed, started, log
+        )
 
 
 if __name__ == "__main__":

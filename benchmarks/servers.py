@@ -6,7 +6,9 @@ etcd binary) in its own data directory, launched in a session of its own, ready 
 `etcdctl endpoint health` (bounded), stopped by its own pid (SIGTERM, SIGKILL after a bounded
 wait) or killed by it; the peer flags of a cluster member (`Membership`); and the CPU and memory
 figures read from /proc (`process_tree_cpu`, `process_tree_rss`, `machine_busy_cpu`,
-`children_cpu`). Also what a report says about the binaries: `git_commit`, `etcd_version`.
+`children_cpu`) and the note of a run other processes disturbed (`disturbed_note`). Also what a
+report says about the binaries (`git_commit`, `etcd_version`), and the progress lines every
+harness writes to stderr (`named_log`).
 
 `benchmarks.etcd_tool`, `queue_tool`, `cluster_tool` and `keyspace_tool` use it, and so do the
 tests that need a free port. It needs only the standard library; it imports nothing from tests/.
@@ -24,6 +26,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,8 +38,26 @@ OTHER_CPU_WARN = 0.25
 """Cores' worth of CPU used by other processes during a run above which the run is flagged."""
 
 
-def log(msg: str) -> None:
-    print(f"[servers {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+def named_log(name: str) -> Callable[[str], None]:
+    """A progress logger: each line to stderr as `[name HH:MM:SS] message`."""
+
+    def log(msg: str) -> None:
+        print(f"[{name} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    return log
+
+
+log = named_log("servers")
+
+
+def disturbed_note(other_cpu_s: float | None, wall_s: float | None) -> str | None:
+    """The note a run gets when other processes used more than OTHER_CPU_WARN cores over it."""
+    if not wall_s or not other_cpu_s or other_cpu_s / wall_s <= OTHER_CPU_WARN:
+        return None
+    return (
+        f"other processes used {other_cpu_s:.1f} CPU-s during the run "
+        f"({other_cpu_s / wall_s:.2f} cores): figures may be disturbed"
+    )
 
 
 LISTEN_PORTS_FROM = 20_000
@@ -383,36 +404,25 @@ class EtcdServer(Server):
 # --- what a report says about the binaries -------------------------------------------------
 
 
-def git_commit(repo: Path) -> str:
+def _output_of(cmd: list[str]) -> str | None:
+    """What `cmd` prints on stdout (bounded by 10 s), or None when it could not be run."""
     try:
-        r = subprocess.run(
-            ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=False).stdout
     except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def git_commit(repo: Path) -> str:
+    head = _output_of(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"])
+    if head is None:
         return "?"
-    dirty = ""
-    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-        st = subprocess.run(
-            ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-        dirty = "+dirty" if st.stdout.strip() else ""
-    return (r.stdout.strip() or "?") + dirty
+    status = _output_of(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"])
+    return (head.strip() or "?") + ("+dirty" if status and status.strip() else "")
 
 
 def etcd_version(binary: str) -> str:
-    try:
-        out = subprocess.run(
-            [binary, "--version"], capture_output=True, text=True, timeout=10, check=False
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired):
+    out = _output_of([binary, "--version"])
+    if out is None:
         return "?"
     for line in out.splitlines():
         if line.lower().startswith("etcd version:"):
