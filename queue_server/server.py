@@ -243,7 +243,7 @@ class Server:
         self.header = header
         membership = self._membership(member_id)
         writes = QuotaGuard(self.log, self.state, cfg.quota_backend_bytes, member_id)
-        ids = LeaseIdGenerator(member_id)
+        ids = LeaseIdGenerator(member_id, self.timers.wall_ms)
         self._build_node(ids)
         self.writes = writes
         table = self._method_table(header, membership, writes, ids)
@@ -568,6 +568,7 @@ class Server:
                     table, pages, cfg.max_request_bytes * 4 // 3 + GRPC_OVERHEAD_BYTES
                 ),
                 stopped_message=STOPPED_MESSAGE,
+                clock=self.timers.clock,
             )
         )
         self.grpc_server = native

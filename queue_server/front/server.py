@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from urllib.parse import parse_qs
 
 import grpc
@@ -127,6 +128,9 @@ class FrontServer:
                     table, pages, cfg.max_request_bytes * 4 // 3 + GRPC_OVERHEAD_BYTES
                 ),
                 stopped_message=STOPPED_MESSAGE,
+                # A front keeps no node and so no node clock: its transport times
+                # its rate limits and pings on the monotonic clock, as before.
+                clock=time.monotonic,
             )
         )
         for url in cfg.listen_client_urls:

@@ -1,21 +1,23 @@
 """Server-chosen lease ids. The server makes one generator and hands it to
 everything that picks lease ids (the Lease service, Lock/Election for requests
 without a lease, the queue's delivery leases), so no two ever pick
-the same id."""
+the same id. It reads no clock: the node's wall clock (`Timers.wall_ms`) is
+handed in and read once, to seed the ids."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Container
+from collections.abc import Callable, Container
 
 
 class LeaseIdGenerator:
     """Server-chosen lease ids in etcd's shape: the member id's low 16 bits, then
-    a millisecond timestamp and a counter, kept positive and unique."""
+    a millisecond timestamp and a counter, kept positive and unique.
+    `wall_ms` is the node's wall clock in Unix milliseconds: the timestamp is
+    its reading when the generator is made."""
 
-    def __init__(self, member_id: int) -> None:
+    def __init__(self, member_id: int, wall_ms: Callable[[], int]) -> None:
         self._prefix = (member_id & 0xFFFF) << 48
-        self._suffix = (int(time.time() * 1000) << 8) & ((1 << 48) - 1)
+        self._suffix = (wall_ms() << 8) & ((1 << 48) - 1)
 
     def next(self, taken: Container[int]) -> int:
         while True:

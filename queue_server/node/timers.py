@@ -12,8 +12,10 @@ The clock has two faces: `clock` (monotonic seconds) times the policies, and
 A test hands in one fake for both.
 
 Nothing else of the node keeps a clock of its own: the lease expiry clock, the
-Lease service, the auth tokens, the metrics collector and the dashboard take
-this one's faces as a required argument (`server.py` hands them in).
+Lease service, the lease id generator's seed, the auth tokens, the metrics
+collector, the dashboard and the native transport's HTTP/2 rate limits and
+pings take this one's faces as a required argument (`server.py` hands them in;
+the transport gets the bare callable, as it sits below the node).
 """
 
 from __future__ import annotations

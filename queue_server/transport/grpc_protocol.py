@@ -170,12 +170,14 @@ class ConnectionSettings:
     keepalive_interval: float = 7200.0
     keepalive_timeout: float = 20.0
     preface_timeout: float = PREFACE_TIMEOUT
-    clock: Callable[[], float] | None = None
     gateway: GatewaySettings | None = None
     """The HTTP/1.1 JSON gateway served on the same port (None: gRPC only)."""
     stopped_message: str = "server stopped"
     """The UNAVAILABLE status text of calls a stop ends (etcd's is
     "etcdserver: server stopped")."""
+    clock: Callable[[], float] = field(kw_only=True)
+    """Monotonic seconds for the HTTP/2 layer's rate limits and pings: the owner's
+    clock (a node's `Timers.clock`), handed in, never read from `time` here."""
 
 
 class NativeCall:
@@ -375,7 +377,7 @@ class GrpcConnection(asyncio.Protocol):
         self.settings = settings
         self.methods = settings.methods
         self.loop = asyncio.get_running_loop()
-        self.h2 = H2Connection(self, settings.limits, settings.clock)
+        self.h2 = H2Connection(self, settings.clock, settings.limits)
         self.calls: dict[int, NativeCall] = {}
         self._read_headers: dict[int, _ReadHeaders] = {}
         """What header lists said, by the list's id (the list is held, so its id

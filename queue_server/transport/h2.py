@@ -31,7 +31,6 @@ Theory of operation:
 from __future__ import annotations
 
 import struct
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
@@ -303,12 +302,14 @@ class H2Connection:
     def __init__(
         self,
         events: H2Events,
+        clock: Callable[[], float],
         limits: Limits | None = None,
-        clock: Callable[[], float] | None = None,
     ) -> None:
+        """`clock` (monotonic seconds, the owner's: the node's timer clock) times the
+        rate limits and the keepalive pings."""
         self.events = events
         self.limits = limits = limits or Limits()
-        self.clock = clock or time.monotonic
+        self.clock = clock
         self.out = bytearray()
         """Bytes to send; the owner writes and clears it."""
         self.closed = False

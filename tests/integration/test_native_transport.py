@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -140,6 +141,7 @@ async def serving(
         keepalive_timeout=keepalive_timeout,
         preface_timeout=preface_timeout,
         stopped_message=stopped_message,
+        clock=time.monotonic,
     )
     server = NativeServer(settings)
     port = await server.listen("127.0.0.1", 0)

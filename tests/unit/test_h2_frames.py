@@ -96,7 +96,7 @@ class Peer:
     def __init__(self, limits: Limits | None = None, **initial: int) -> None:
         self.events = Recorder()
         self.clock = FakeClock()
-        self.conn = H2Connection(self.events, limits, self.clock)
+        self.conn = H2Connection(self.events, self.clock, limits)
         self.encoder = Encoder()
         self.server_preamble = self.take()
         self.send(PREFACE + settings(**initial))
@@ -126,7 +126,7 @@ class Peer:
 
 def test_preface_settings_and_window_then_ack_of_theirs() -> None:
     events = Recorder()
-    conn = H2Connection(events, Limits(max_concurrent_streams=100))
+    conn = H2Connection(events, FakeClock(), Limits(max_concurrent_streams=100))
     ours = parse(conn.out)
     assert [f.type for f in ours] == [SETTINGS, WINDOW_UPDATE]
     values = dict(struct.iter_unpack(">HI", ours[0].payload))
@@ -146,7 +146,7 @@ def test_preface_settings_and_window_then_ack_of_theirs() -> None:
     ids=["not-http2", "first-frame-not-settings"],
 )
 def test_bad_start_is_protocol_error(data: bytes) -> None:
-    conn = H2Connection(Recorder())
+    conn = H2Connection(Recorder(), FakeClock())
     conn.out.clear()
     conn.receive(data)
     goaway = [f for f in parse(conn.out) if f.type == GOAWAY]
