@@ -144,11 +144,35 @@ func cqsReEnqueue(ctx context.Context, conn *grpc.ClientConn, f *cqsFlags, token
 	return stream.CloseAndRecv()
 }
 
-// cqsCount counts the queue's notifications (pending and in flight) with a count-only Range
-// over its message keys /q/{queue}/0... to /q/{queue}/: (the etcd view of a CQS queue).
+// cqsCount counts the queue's notifications (pending and in flight) with count-only Ranges
+// over its message keys /q/{queue}/0... to /q/{queue}/: (the etcd view of a CQS queue on
+// our server) and its rows /q/{queue}/n/... (a CQS queue over etcd, through fronts).
 func cqsCount(ctx context.Context, conn *grpc.ClientConn, f *cqsFlags) (int64, error) {
 	p := "/q/" + f.queue + "/"
-	return countKeys(ctx, pb.NewKVClient(conn), []byte(p+"0"), []byte(p+":"), f.rpcTimeout)
+	kv := pb.NewKVClient(conn)
+	view, err := countKeys(ctx, kv, []byte(p+"0"), []byte(p+":"), f.rpcTimeout)
+	if err != nil {
+		return 0, err
+	}
+	rows, err := countKeys(ctx, kv, []byte(p+"n/"), []byte(p+"n0"), f.rpcTimeout)
+	return view + rows, err
+}
+
+// cqsFilled waits, within ctx, until the queue holds `want` notifications: at once on our
+// server, a moment after the puts through fronts over etcd, which fan publications out
+// after they are stored.
+func cqsFilled(ctx context.Context, conn *grpc.ClientConn, f *cqsFlags, want int64) (int64, error) {
+	for {
+		queued, err := cqsCount(ctx, conn, f)
+		if err != nil || queued >= want || ctx.Err() != nil {
+			return queued, err
+		}
+		select {
+		case <-ctx.Done():
+			return queued, nil
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
 }
 
 func runCQSDequeue(args []string) int {
@@ -262,7 +286,7 @@ func cqsDequeueRun(f *cqsFlags, o *output, errs *errorLog) {
 		o.fail("%v", err)
 		return
 	}
-	queued, err := cqsCount(setup, conns[0], f)
+	queued, err := cqsFilled(setup, conns[0], f, int64(f.total))
 	if err != nil || queued != int64(f.total) {
 		o.fail("after the prefill the queue holds %d notifications, not %d (error %v)", queued, f.total, err)
 		return
