@@ -11,8 +11,9 @@ per CQS queue), read at scrape time.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -121,35 +122,44 @@ class StateCollector(Collector):
         yield from (depth, pending, in_flight, consumers, age, *counters.values())
 
     def _cqs(self) -> Iterator[Metric]:
-        labels = ["queue"]
-        pending = GaugeMetricFamily(
-            "queue_server_cqs_pending", "Notifications waiting for a dequeue.", labels=labels
-        )
-        in_flight = GaugeMetricFamily(
-            "queue_server_cqs_in_flight",
-            "Notifications dequeued and not acknowledged.",
-            labels=labels,
-        )
-        lag = GaugeMetricFamily(
-            "queue_server_cqs_sla_lag_seconds",
-            "Now minus the SLA of the most urgent pending notification (negative: ahead "
-            "of it; 0 when none is pending).",
-            labels=labels,
-        )
-        for row in cqs_queue_stats(self.state, self.wall()):
-            name = [row["name"]]
-            pending.add_metric(name, row["pending"])
-            in_flight.add_metric(name, row["in_flight"])
-            lag.add_metric(name, row["sla_lag_s"] or 0.0)
-        published = CounterMetricFamily(
-            "queue_server_cqs_published", "Publications applied to CQS queues."
-        )
-        published.add_metric([], self.state.cqs.published)
-        dropped = CounterMetricFamily(
-            "queue_server_cqs_dropped", "Publications no CQS queue subscribed to."
-        )
-        dropped.add_metric([], self.state.cqs.dropped)
-        yield from (pending, in_flight, lag, published, dropped)
+        cqs = self.state.cqs
+        return cqs_families(cqs_queue_stats(self.state, self.wall()), cqs.published, cqs.dropped)
+
+
+def cqs_families(
+    rows: Iterable[dict[str, Any]], published: float, dropped: float
+) -> Iterator[Metric]:
+    """The `queue_server_cqs_*` families of CQS queues' rows (queue_stats.cqs_queue_stats'
+    shape) and the publication counts: the embedded server's, and a front's from etcd."""
+    labels = ["queue"]
+    pending = GaugeMetricFamily(
+        "queue_server_cqs_pending", "Notifications waiting for a dequeue.", labels=labels
+    )
+    in_flight = GaugeMetricFamily(
+        "queue_server_cqs_in_flight",
+        "Notifications dequeued and not acknowledged.",
+        labels=labels,
+    )
+    lag = GaugeMetricFamily(
+        "queue_server_cqs_sla_lag_seconds",
+        "Now minus the SLA of the most urgent pending notification (negative: ahead "
+        "of it; 0 when none is pending).",
+        labels=labels,
+    )
+    for row in rows:
+        name = [row["name"]]
+        pending.add_metric(name, row["pending"])
+        in_flight.add_metric(name, row["in_flight"])
+        lag.add_metric(name, row["sla_lag_s"] or 0.0)
+    published_family = CounterMetricFamily(
+        "queue_server_cqs_published", "Publications applied to CQS queues."
+    )
+    published_family.add_metric([], published)
+    dropped_family = CounterMetricFamily(
+        "queue_server_cqs_dropped", "Publications no CQS queue subscribed to."
+    )
+    dropped_family.add_metric([], dropped)
+    yield from (pending, in_flight, lag, published_family, dropped_family)
 
 
 def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:

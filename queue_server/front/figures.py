@@ -34,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from etcdserverpb import rpc_pb2
 from queue_server.front.session import FrontSession, prefix_end
+from queue_server.metrics import cqs_families
 from queue_server.queue_stats import COUNTERS
 
 log = logging.getLogger(__name__)
@@ -161,34 +162,11 @@ class FrontFigures:
 
     def _cqs(self) -> Iterator[Metric]:
         """The embedded server's `queue_server_cqs_*` families, from the CQS records."""
-        labels = ["queue"]
-        pending = GaugeMetricFamily(
-            "queue_server_cqs_pending", "Notifications waiting for a dequeue.", labels=labels
+        return cqs_families(
+            _cqs_rows(self.cqs_rows),
+            sum(_number(r.get("published")) for r in self.fanout_rows),
+            sum(_number(r.get("dropped")) for r in self.fanout_rows),
         )
-        in_flight = GaugeMetricFamily(
-            "queue_server_cqs_in_flight",
-            "Notifications dequeued and not acknowledged.",
-            labels=labels,
-        )
-        lag = GaugeMetricFamily(
-            "queue_server_cqs_sla_lag_seconds",
-            "Now minus the most urgent pending notification's SLA.",
-            labels=labels,
-        )
-        for row in _cqs_rows(self.cqs_rows):
-            pending.add_metric([row["name"]], _number(row["pending"]))
-            in_flight.add_metric([row["name"]], _number(row["in_flight"]))
-            if row["sla_lag_s"] is not None:
-                lag.add_metric([row["name"]], row["sla_lag_s"])
-        published = CounterMetricFamily(
-            "queue_server_cqs_published", "Publications applied to CQS queues."
-        )
-        published.add_metric([], sum(_number(r.get("published")) for r in self.fanout_rows))
-        dropped = CounterMetricFamily(
-            "queue_server_cqs_dropped", "Publications no CQS queue subscribed to."
-        )
-        dropped.add_metric([], sum(_number(r.get("dropped")) for r in self.fanout_rows))
-        yield from (pending, in_flight, lag, published, dropped)
 
     def dashboard(self, with_history: bool = True) -> dict[str, Any]:
         """The dashboard's JSON, as the embedded server's has it, from the figures."""
