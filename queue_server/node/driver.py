@@ -82,8 +82,11 @@ class NodeDriver:
                         a.queue, a.consumer, a.node, a.items, a.revision
                     )
                 else:
+                    # a message handed out again in the batch (taken back
+                    # between) goes once, at its last hand-out
+                    again = {idx for idx, _ in a.items}
                     held.node = a.node
-                    held.items = held.items + a.items
+                    held.items = [item for item in held.items if item[0] not in again] + a.items
                     held.revision = a.revision
         for name in effects.cqs_changed:
             for notify in parts.cqs_listeners:

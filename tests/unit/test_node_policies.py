@@ -255,3 +255,21 @@ def test_timers_call_each_policy_at_its_interval_and_survive_a_failing_one(
     assert [t for name, t in calls if name == "fast"] == [0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0]
     assert [t for name, t in calls if name == "slow"] == [2.0, 4.0]
     assert sum("policy=bad" in r.getMessage() for r in caplog.records) == 4
+
+
+async def test_a_message_taken_back_and_handed_again_in_one_batch_is_sent_once() -> None:
+    node = Node()
+    cid, key = consumer_key(b"again1")
+    stream = node.watch(key)
+    await node.settle()
+    drain(stream)
+    requeue = internal_pb2.Command()
+    requeue.queue_requeue.queue = b"again1"
+    requeue.queue_requeue.consumer = cid
+    requeue.queue_requeue.idx.append(1)
+    # produced (handed to the one consumer), given back, handed to it again: one batch
+    node.log.apply_batch(
+        [internal_pb2.Command(put=rpc_pb2.PutRequest(key=b"/q/again1/p/m", value=b"x")), requeue]
+    )
+    assert [k.rsplit(b"/", 1)[1] for k in delivered_keys(stream)] == [b"m"]
+    assert list(node.state.queues.queues[b"again1"].consumers[cid].held) == [1]
