@@ -140,6 +140,7 @@ class CqsFronts:
             self.known.discard(name)
             dispatcher = self.queues.pop(name, None)
             if dispatcher is not None:
+                dispatcher.stop()
                 self._end_campaign(dispatcher.registry)
             return
         self.known.add(name)

@@ -429,3 +429,27 @@ def test_nothing_published_is_lost_when_etcds_leader_and_the_dispatching_front_d
         if cluster.members[leader].proc is None or cluster.members[leader].proc.poll() is not None:
             cluster.restart(leader)
     assert ledger.violations == []
+
+
+def test_deleting_the_config_deletes_the_queue_as_embedded(
+    fronts: list[FrontProcess], cluster: EtcdCluster
+) -> None:
+    a, b = cqs(fronts[0]), cqs(fronts[1])
+    queue, dto = unique("gone"), unique("storeesl.v1")
+    a.configure(queue, [dto])
+    a.publish(dto, "t/a/s/x/esls/1", SLA.format(1))
+    taken_in(cluster, dto, queue)
+    b.kv.DeleteRange(rpc_pb2.DeleteRangeRequest(key=f"/q/{queue}/config".encode()), timeout=WAIT)
+    wait_for(
+        "the queue's keys, index entry and subscription gone",
+        lambda: (
+            not etcd_keys(cluster, f"/q/{queue}/".encode())
+            and not etcd_keys(cluster, f"/queue-server/cqs/{queue}".encode())
+            and not etcd_keys(cluster, f"/q/dto:{dto}/sub/".encode())
+        ),
+    )
+    assert status_of(lambda: b.dequeue(queue)) == grpc.StatusCode.NOT_FOUND
+    # published to afterwards: dropped, as with no subscriber embedded
+    b.publish(dto, "t/a/s/x/esls/2", SLA.format(2))
+    wait_for("dropped", lambda: not etcd_keys(cluster, f"/q/dto:{dto}/p/".encode()))
+    assert not etcd_keys(cluster, f"/q/{queue}/".encode())
