@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from etcdserverpb import rpc_pb2
 from queue_server.cqs.state import DTO_QUEUE_PREFIX, InvalidNotification, parse_publication
 from queue_server.errors import EtcdError
-from queue_server.front.session import FrontSession, prefix_end
+from queue_server.front.session import FrontSession, prefix_end, range_op
 from queue_server.keyspace import grammar
 from queue_server.keyspace.config import ConfigFields, InvalidQueueConfig, invalid, parse_config
 from queue_server.keyspace.grammar import MalformedQueueKey
@@ -147,14 +147,11 @@ class Admission:
         registry = grammar.registry_key(qk.spelling, qk.name)
         config_key = grammar.config_key(qk.spelling, qk.name)
         producers = grammar.producer_key(qk.spelling, qk.name, b"")
-        reads = [rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=config_key))]
-        for key, end in ((registry + b"/0", registry + b"/:"), (producers, prefix_end(producers))):
-            reads.append(
-                rpc_pb2.RequestOp(
-                    request_range=rpc_pb2.RangeRequest(key=key, range_end=end, count_only=True)
-                )
-            )
-        reply = await self.session.txn(rpc_pb2.TxnRequest(success=reads))
+        reply = await self.session.read(
+            range_op(config_key),
+            range_op(registry + b"/0", registry + b"/:", count_only=True),
+            range_op(producers, prefix_end(producers), count_only=True),
+        )
         config = reply.responses[0].response_range.kvs
         max_depth = 0
         if config:

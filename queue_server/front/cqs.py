@@ -55,8 +55,17 @@ from queue_server.front.cqs_queue import (
     subscriptions_of,
     wall_ms,
 )
+from queue_server.front.election import watch_events
 from queue_server.front.h2_client import CallError
-from queue_server.front.session import RETRY_SECONDS, FrontSession, delete_op, prefix_end, put_op
+from queue_server.front.session import (
+    RETRY_SECONDS,
+    FrontSession,
+    delete_op,
+    prefix_end,
+    prefix_op,
+    put_op,
+    range_op,
+)
 from queue_server.keyspace import grammar
 from queue_server.transport.methods import Call
 from queue_server.transport.status import Status
@@ -108,22 +117,11 @@ class CqsFronts:
     async def _follow_index(self) -> None:
         while not self._stopped:
             try:
-                reply = await self.session.txn(
-                    rpc_pb2.TxnRequest(
-                        success=[
-                            rpc_pb2.RequestOp(
-                                request_range=rpc_pb2.RangeRequest(
-                                    key=INDEX_PREFIX, range_end=prefix_end(INDEX_PREFIX)
-                                )
-                            )
-                        ]
-                    )
-                )
+                reply = await self.session.read(prefix_op(INDEX_PREFIX))
                 for kv in reply.responses[0].response_range.kvs:
                     self._indexed(kv.key, kv.value)
-                watcher = CqsDispatcher(self.session, "")  # only its watch helper
-                async for events in watcher.watch(
-                    INDEX_PREFIX, prefix_end(INDEX_PREFIX), reply.header.revision + 1
+                async for events in watch_events(
+                    self.session, INDEX_PREFIX, prefix_end(INDEX_PREFIX), reply.header.revision + 1
                 ):
                     for event in events:
                         deleted = event.type == kv_pb2.Event.DELETE
@@ -217,17 +215,8 @@ class CqsFronts:
         if cached is not None and cached[1] > time.monotonic():
             return cached[0]
         registry = grammar.registry_key(SPELLING, name.encode())
-        reply = await self.session.txn(
-            rpc_pb2.TxnRequest(
-                success=[
-                    rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=registry)),
-                    rpc_pb2.RequestOp(
-                        request_range=rpc_pb2.RangeRequest(
-                            key=grammar.config_key(SPELLING, name.encode())
-                        )
-                    ),
-                ]
-            )
+        reply = await self.session.read(
+            range_op(registry), range_op(grammar.config_key(SPELLING, name.encode()))
         )
         config = reply.responses[1].response_range.kvs
         if not config or subscriptions_of(name, config[0].value) is None:
@@ -250,6 +239,17 @@ class CqsFronts:
         self._holders.pop(name, None)
 
 
+@contextlib.asynccontextmanager
+async def _answered(call: Call) -> AsyncIterator[None]:
+    """An etcd error, or the backend's status, raised in the block ends the call with it."""
+    try:
+        yield
+    except EtcdError as e:
+        await abort(call, e)
+    except CallError as e:
+        await call.abort(e.code, e.message)
+
+
 def _hop_metadata(call: Call) -> tuple[tuple[str, str], ...]:
     return (*((k, v) for k, v in call.invocation_metadata() if k != HOP), (HOP, "1"))
 
@@ -265,12 +265,8 @@ class FrontCqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
         self.visibility_ms = int(visibility_timeout * 1000)
 
     async def _locate(self, name: str, call: Call) -> CqsDispatcher | aio.Channel:
-        try:
+        async with _answered(call):
             return await self.fronts.locate(name, call)
-        except EtcdError as e:
-            await abort(call, e)
-        except CallError as e:
-            await call.abort(e.code, e.message)
         raise AssertionError("unreachable")
 
     async def _forwarded(self, name: str, call: Call, error: aio.AioRpcError) -> None:
@@ -342,11 +338,7 @@ class FrontCqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
         key = grammar.config_key(SPELLING, name.encode())
         for _ in range(10):
             try:
-                reply = await self.session.txn(
-                    rpc_pb2.TxnRequest(
-                        success=[rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=key))]
-                    )
-                )
+                reply = await self.session.read(range_op(key))
                 found = reply.responses[0].response_range.kvs
                 old = subscriptions_of(name, found[0].value) if found else None
                 value = configured(
@@ -399,7 +391,7 @@ class FrontCqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0, request.wait_time_milliseconds) / 1000
         max_records = min(request.max_notifications, MAX_NOTIFICATIONS)
-        try:
+        async with _answered(context):
             while True:
                 now = wall_ms()
                 visible, next_visible = where.visible(now)
@@ -416,10 +408,6 @@ class FrontCqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
                 if next_visible is not None:
                     remaining = min(remaining, max(0.0, (next_visible - now) / 1000) + 0.001)
                 await where.changed(remaining)
-        except EtcdError as e:
-            await abort(context, e)
-        except CallError as e:
-            await context.abort(e.code, e.message)
         raise AssertionError("unreachable")
 
     # -- BatchAcknowledge -------------------------------------------------------------------
@@ -435,12 +423,8 @@ class FrontCqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
             return where
         assert isinstance(where, CqsDispatcher)
         if request.ack_tokens:
-            try:
+            async with _answered(context):
                 await where.acknowledge(list(request.ack_tokens))
-            except EtcdError as e:
-                await abort(context, e)
-            except CallError as e:
-                await context.abort(e.code, e.message)
         return cqs_pb2.BatchAcknowledgeResponse()
 
     # -- ReEnqueue --------------------------------------------------------------------------
@@ -454,7 +438,7 @@ class FrontCqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
             where = await self._locate(name, context)
             if isinstance(where, aio.Channel):
                 return await self._forward_split(where, stream, name, token, context)
-            try:
+            async with _answered(context):
                 if not where.holds(token):
                     raise TokenNotHeld()
 
@@ -463,10 +447,6 @@ class FrontCqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
                     return await where.enqueue(token, items, until, commit)
 
                 return await split(stream, flush, self.visibility_ms, context)
-            except EtcdError as e:
-                await abort(context, e)
-            except CallError as e:
-                await context.abort(e.code, e.message)
             raise AssertionError("unreachable")
         finally:
             stream.close()

@@ -30,7 +30,14 @@ from queue_server.front.cqs_queue import INBOX, SPELLING
 from queue_server.front.dispatcher import txn_chunks
 from queue_server.front.election import RegistryHolder
 from queue_server.front.figures import figures_key, read_counts
-from queue_server.front.session import FrontSession, delete_op, prefix_end, put_op
+from queue_server.front.session import (
+    FrontSession,
+    delete_op,
+    prefix_end,
+    prefix_op,
+    put_op,
+    range_op,
+)
 from queue_server.keyspace import grammar
 
 log = logging.getLogger(__name__)
@@ -77,19 +84,8 @@ class FanOut(RegistryHolder):
     async def dispatch(self) -> None:
         self.subscribers = {}
         self.ops = []
-        reply = await self.session.txn(
-            rpc_pb2.TxnRequest(
-                success=[
-                    rpc_pb2.RequestOp(
-                        request_range=rpc_pb2.RangeRequest(
-                            key=self.prefix, range_end=prefix_end(self.prefix)
-                        )
-                    ),
-                    rpc_pb2.RequestOp(
-                        request_range=rpc_pb2.RangeRequest(key=figures_key(self.registry))
-                    ),
-                ]
-            )
+        reply = await self.session.read(
+            prefix_op(self.prefix), range_op(figures_key(self.registry))
         )
         for kv in reply.responses[1].response_range.kvs:  # count on from the last holder
             counts = read_counts(kv.value, ("published", "dropped"))

@@ -52,7 +52,14 @@ from queue_server.errors import EtcdError
 from queue_server.front.dispatcher import txn_chunks
 from queue_server.front.election import RegistryHolder
 from queue_server.front.figures import WRITE_SECONDS, figures_key
-from queue_server.front.session import FrontSession, delete_op, prefix_end, put_op
+from queue_server.front.session import (
+    FrontSession,
+    delete_op,
+    prefix_end,
+    prefix_op,
+    put_op,
+    range_op,
+)
 from queue_server.keyspace import grammar
 from queue_server.keyspace.config import ConfigFields, parse_config
 
@@ -282,18 +289,7 @@ class CqsDispatcher(RegistryHolder):
         self.figures_dirty = True
         self.journal.rows = {}
         self.taken = []
-        reply = await self.session.txn(
-            rpc_pb2.TxnRequest(
-                success=[
-                    rpc_pb2.RequestOp(
-                        request_range=rpc_pb2.RangeRequest(
-                            key=self.prefix, range_end=prefix_end(self.prefix)
-                        )
-                    ),
-                    rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=self.index_key)),
-                ]
-            )
-        )
+        reply = await self.session.read(prefix_op(self.prefix), range_op(self.index_key))
         revision = reply.header.revision
         kvs = reply.responses[0].response_range.kvs
         config = next((kv.value for kv in kvs if kv.key == self.config_key), None)

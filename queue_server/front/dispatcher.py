@@ -49,11 +49,12 @@ from queue_server.errors import EtcdError
 from queue_server.front.election import RegistryHolder
 from queue_server.front.figures import WRITE_SECONDS, figures_key, read_counters
 from queue_server.front.session import (
-    CALL_TIMEOUT,
     FrontSession,
     delete_op,
     prefix_end,
+    prefix_op,
     put_op,
+    range_op,
 )
 from queue_server.keyspace import grammar
 from queue_server.mq.state import QueueSettings
@@ -146,22 +147,7 @@ class Dispatcher(RegistryHolder):
     async def dispatch(self) -> None:
         """Rebuild from one range, then follow the watch until we are deposed."""
         self.reset()
-        both = await self.session.kv.Txn(
-            rpc_pb2.TxnRequest(
-                success=[
-                    rpc_pb2.RequestOp(
-                        request_range=rpc_pb2.RangeRequest(
-                            key=self.prefix, range_end=prefix_end(self.prefix)
-                        )
-                    ),
-                    rpc_pb2.RequestOp(
-                        request_range=rpc_pb2.RangeRequest(key=figures_key(self.registry))
-                    ),
-                ]
-            ),
-            metadata=await self.session.metadata(),
-            timeout=CALL_TIMEOUT,
-        )
+        both = await self.session.read(prefix_op(self.prefix), range_op(figures_key(self.registry)))
         snapshot = both.responses[0].response_range
         snapshot.header.revision = both.header.revision
         for kv in both.responses[1].response_range.kvs:

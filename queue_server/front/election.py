@@ -145,22 +145,26 @@ class RegistryHolder:
                 self.watch_front(kv.value, kv.lease)
             )
 
-    async def watch(
-        self, key: bytes, range_end: bytes, start: int
-    ) -> AsyncIterator[list[kv_pb2.Event]]:
-        """The events of a watch, one response at a time (etcd never splits a
-        revision's events over responses unless asked to fragment)."""
-        create = rpc_pb2.WatchCreateRequest(key=key, range_end=range_end, start_revision=start)
-        stream = self.session.watches.Watch(metadata=await self.session.metadata())
-        try:
-            await stream.write(rpc_pb2.WatchRequest(create_request=create))
-            while True:
-                reply = await stream.read()
-                if not isinstance(reply, rpc_pb2.WatchResponse):
-                    return  # grpc.aio.EOF: the stream ended
-                if reply.canceled:
-                    return
-                if reply.events:
-                    yield list(reply.events)
-        finally:
-            stream.cancel()
+    def watch(self, key: bytes, range_end: bytes, start: int) -> AsyncIterator[list[kv_pb2.Event]]:
+        return watch_events(self.session, key, range_end, start)
+
+
+async def watch_events(
+    session: FrontSession, key: bytes, range_end: bytes, start: int
+) -> AsyncIterator[list[kv_pb2.Event]]:
+    """The events of a watch, one response at a time (etcd never splits a
+    revision's events over responses unless asked to fragment)."""
+    create = rpc_pb2.WatchCreateRequest(key=key, range_end=range_end, start_revision=start)
+    stream = session.watches.Watch(metadata=await session.metadata())
+    try:
+        await stream.write(rpc_pb2.WatchRequest(create_request=create))
+        while True:
+            reply = await stream.read()
+            if not isinstance(reply, rpc_pb2.WatchResponse):
+                return  # grpc.aio.EOF: the stream ended
+            if reply.canceled:
+                return
+            if reply.events:
+                yield list(reply.events)
+    finally:
+        stream.cancel()

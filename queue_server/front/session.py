@@ -40,6 +40,17 @@ def prefix_end(prefix: bytes) -> bytes:
     return prefix[:-1] + bytes([prefix[-1] + 1])
 
 
+def range_op(key: bytes, range_end: bytes = b"", count_only: bool = False) -> rpc_pb2.RequestOp:
+    return rpc_pb2.RequestOp(
+        request_range=rpc_pb2.RangeRequest(key=key, range_end=range_end, count_only=count_only)
+    )
+
+
+def prefix_op(prefix: bytes) -> rpc_pb2.RequestOp:
+    """A Range of every key under `prefix`."""
+    return range_op(prefix, prefix_end(prefix))
+
+
 def put_op(key: bytes, value: bytes = b"", lease: int = 0) -> rpc_pb2.RequestOp:
     return rpc_pb2.RequestOp(request_put=rpc_pb2.PutRequest(key=key, value=value, lease=lease))
 
@@ -84,6 +95,10 @@ class FrontSession:
 
     async def txn(self, request: rpc_pb2.TxnRequest) -> rpc_pb2.TxnResponse:
         return rpc_pb2.TxnResponse.FromString(await self._call("/etcdserverpb.KV/Txn", request))
+
+    async def read(self, *ranges: rpc_pb2.RequestOp) -> rpc_pb2.TxnResponse:
+        """Several Ranges at one revision (a Txn of reads)."""
+        return await self.txn(rpc_pb2.TxnRequest(success=ranges))
 
     async def grant(self, ttl: int) -> int:
         """A new lease of `ttl` seconds (a delivery lease): its ID."""
