@@ -47,7 +47,8 @@ UNCHECKED_TXN_OPS = 1 << 30
 (its --max-txn-ops), and it answers a Txn over it itself."""
 
 
-def _names_a_queue(data: bytes) -> bool:
+def names_a_queue(data: bytes) -> bool:
+    """Whether a request's bytes may name a queue key (a scan, no parse)."""
     return any(prefix in data for prefix in grammar.PREFIXES)
 
 
@@ -106,16 +107,19 @@ class Admission:
 
     async def check_put(self, data: bytes) -> None:
         """Refuse a serialized PutRequest as the embedded server would (an EtcdError)."""
-        if not _names_a_queue(data):
+        if not names_a_queue(data):
             return
-        request = rpc_pb2.PutRequest.FromString(data)
+        await self.check_put_request(rpc_pb2.PutRequest.FromString(data))
+
+    async def check_put_request(self, request: rpc_pb2.PutRequest) -> None:
+        """`check_put` of a request parsed already."""
         check_queue_write(request.key, request.value)
         await self._check_depths(_produced(request))
 
     async def check_txn(self, data: bytes) -> None:
         """Refuse a serialized TxnRequest whose puts (in either branch, nested ones
         too) the embedded server would refuse, unless etcd refuses it first."""
-        if not _names_a_queue(data):
+        if not names_a_queue(data):
             return
         request = rpc_pb2.TxnRequest.FromString(data)
         try:

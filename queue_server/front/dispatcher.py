@@ -26,6 +26,12 @@ lease, and while it holds it:
   message moves to its dead-letter queue as a produce there
   (`/q/{dead}/p/{key}`), which that queue's dispatcher moves in turn.
 
+Produces and acks may also be handed to the dispatcher itself
+(`front/direct.py`): a produce becomes a put of its message key, and an ack the
+delete of its delivery and message keys, in the dispatcher's next batched Txn,
+so neither costs etcd a revision of its own. The call is answered with that
+Txn's header once it has succeeded.
+
 Every write is a Txn guarded by `value(/q/{name}) == this front's id`, so a
 deposed dispatcher changes nothing.
 """
@@ -48,6 +54,7 @@ from etcdserverpb import kv_pb2, rpc_pb2
 from queue_server.errors import EtcdError
 from queue_server.front.election import RegistryHolder
 from queue_server.front.figures import WRITE_SECONDS, figures_key, read_counters
+from queue_server.front.h2_client import CallError
 from queue_server.front.session import (
     FrontSession,
     delete_op,
@@ -59,6 +66,7 @@ from queue_server.front.session import (
 from queue_server.keyspace import grammar
 from queue_server.mq.state import QueueSettings
 from queue_server.queue_stats import COUNTERS
+from queue_server.transport.status import Status
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +77,12 @@ LEASE_REUSE = 1.0
 Its TTL is the ack deadline plus this, so no delivery gets less than the
 deadline, and a busy consumer costs etcd one LeaseGrant a second, not one a
 hand-out."""
+UNWRITTEN = 1 << 62
+"""`_Message.written` until its Txn is answered."""
+PARK_SECONDS = 2.0
+"""How long a direct produce may wait for the dispatcher's watch to reach the
+revision of an earlier produce of the same front (`Dispatcher.produce`); past
+it, the produce is written as a producer key, which keeps the order too."""
 LEASE_WORD = b"lease"
 """`/q/{name}/lease/{id}`: the marker of a delivery lease (an ordinary key to
 the grammar, so a client may read it, and nothing consumes it)."""
@@ -85,6 +99,36 @@ class _Message:
     """The message's own lease (the producer's), 0 for none."""
     failures: int
     """Failed deliveries so far: the message key's etcd version less one."""
+    written: int = 0
+    """The revision of its message key, when the dispatcher wrote it for a
+    direct produce: it is handed out once the watch has passed it, so every
+    consumer registered before it is known by then (0: as soon as it is known)."""
+
+
+Answer = Callable[[rpc_pb2.TxnResponse | CallError | None, rpc_pb2.ResponseOp | None], None]
+"""What to do with the reply of the Txn that carried a direct request's op
+(None: the Txn failed its guard, or was never sent: nothing was written; a
+CallError: it was sent, and may have been applied)."""
+DISPATCHER_STOPPED = "etcdserver: backend unavailable: the queue's dispatcher stopped"
+
+
+@dataclass(slots=True)
+class _Produce:
+    """A produce handed to the dispatcher (`Dispatcher.produce`)."""
+
+    request: rpc_pb2.PutRequest
+    after: int
+    """The revision the dispatcher's state must have reached first."""
+    until: float
+    answer: asyncio.Future[bytes | None]
+
+
+@dataclass(slots=True)
+class _Ack:
+    """An acknowledgement handed to the dispatcher (`Dispatcher.acknowledge`)."""
+
+    parsed: grammar.QueueKey
+    answer: asyncio.Future[bytes | None]
 
 
 @dataclass(slots=True)
@@ -118,6 +162,7 @@ class Dispatcher(RegistryHolder):
         self.meta_key = self.registry + b"/meta"
         self.config_key = grammar.config_key(spelling, name)
         self.lease_prefix = self.prefix + LEASE_WORD + b"/"
+        self.producers = grammar.producer_key(spelling, name, b"")
         self.reset()
 
     def reset(self) -> None:
@@ -141,6 +186,149 @@ class Dispatcher(RegistryHolder):
         """Registration -> its front's id."""
         self.figures_dirty = True
         self.figures_written = float("-inf")
+        self.accepting = False
+        """Direct produces and acks are taken: the queue is rebuilt and ours."""
+        self.seen = 0
+        """The revision the state has followed the watch to."""
+        self.direct: list[_Produce | _Ack] = []
+        self.answers: dict[int, Answer] = {}
+        """id() of an op in `ops` -> what its Txn's reply answers."""
+        self.wake: Callable[[], None] = _nothing
+
+    # -- direct requests (front/direct.py) ----------------------------------------------------
+
+    async def produce(self, request: rpc_pb2.PutRequest, after: int) -> bytes | None:
+        """A produce written as a put of its message key in the next Txn: the
+        serialized PutResponse, or None when this front no longer dispatches
+        the queue (nothing was written; the caller writes the producer key).
+        It waits until the state has followed the watch to `after`, the last
+        producer key the caller wrote, so one front's produces keep their order."""
+        if not self.accepting:
+            return None
+        until = time.monotonic() + PARK_SECONDS
+        answer: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
+        self.direct.append(_Produce(request, after, until, answer))
+        self.wake()
+        return await answer
+
+    async def acknowledge(self, parsed: grammar.QueueKey) -> bytes | None:
+        """The delete of a delivery key (an ack) with its message key, in the
+        next Txn: the serialized DeleteRangeResponse, or None when the
+        dispatcher does not know the delivery (the caller deletes the key
+        itself, and the watch brings the delete here)."""
+        if not self.accepting:
+            return None
+        answer: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
+        self.direct.append(_Ack(parsed, answer))
+        self.wake()
+        return await answer
+
+    def _take_direct(self) -> None:
+        """Turn the direct requests into ops; a produce whose `after` the watch
+        has not reached yet waits for a later turn."""
+        waiting: list[_Produce | _Ack] = []
+        now = time.monotonic()
+        for request in self.direct:
+            if request.answer.done():
+                continue  # its caller went away before it was taken
+            if isinstance(request, _Ack):
+                self._take_ack(request)
+            elif request.after <= self.seen:
+                self._take_produce(request)
+            elif now < request.until:
+                waiting.append(request)
+            else:
+                request.answer.set_result(None)
+        self.direct = waiting
+
+    def _take_produce(self, request: _Produce) -> None:
+        parsed = grammar.parse(request.request.key)
+        assert parsed is not None
+        idx = self.next_idx
+        self.next_idx += 1
+        op = put_op(
+            grammar.message_key(self.spelling, self.name, idx, parsed.key), request.request.value
+        )
+        self.ops.append(op)
+        message = self.messages[idx] = _Message(
+            parsed.key, request.request.value, 0, 0, written=UNWRITTEN
+        )
+        self._count("produced")
+        answer = request.answer
+
+        def answered(
+            reply: rpc_pb2.TxnResponse | CallError | None, _: rpc_pb2.ResponseOp | None
+        ) -> None:
+            if not isinstance(reply, rpc_pb2.TxnResponse):
+                _settle(answer, reply)
+                return
+            message.written = reply.header.revision
+            if not answer.done():
+                answer.set_result(rpc_pb2.PutResponse(header=reply.header).SerializeToString())
+
+        self.answers[id(op)] = answered
+
+    def _take_ack(self, request: _Ack) -> None:
+        parsed = request.parsed
+        registration = grammar.consumer_key(self.spelling, self.name, parsed.consumer)
+        idx = parsed.idx
+        message = self.messages.get(idx)
+        if self.holder.get(idx) != registration or message is None or message.key != parsed.key:
+            request.answer.set_result(None)
+            return
+        delivery = self._delivery_key(registration, idx, message.key)
+        # the delivery may be gone already: its lease ended in a revision the
+        # watch has not brought yet. Then the message is not acknowledged.
+        op = rpc_pb2.RequestOp(
+            request_txn=rpc_pb2.TxnRequest(
+                compare=[
+                    rpc_pb2.Compare(
+                        key=delivery,
+                        target=rpc_pb2.Compare.VERSION,
+                        result=rpc_pb2.Compare.GREATER,
+                        version=0,
+                    )
+                ],
+                success=[delete_op(delivery), delete_op(self._message_key(idx, message))],
+            )
+        )
+        self.ops.append(op)
+        del self.messages[idx]
+        self._release(idx)
+        self._count("acked")
+        answer = request.answer
+
+        def answered(
+            reply: rpc_pb2.TxnResponse | CallError | None, response: rpc_pb2.ResponseOp | None
+        ) -> None:
+            if not isinstance(reply, rpc_pb2.TxnResponse):
+                _settle(answer, reply)
+                return
+            deleted = int(response is not None and response.response_txn.succeeded)
+            if not deleted:  # taken back by its lease's end: pending again
+                self.counters["acked"] -= 1
+                self.messages[idx] = message
+                self._failed(idx)
+                self.wake()
+            if not answer.done():
+                answer.set_result(
+                    rpc_pb2.DeleteRangeResponse(
+                        header=reply.header, deleted=deleted
+                    ).SerializeToString()
+                )
+
+        self.answers[id(op)] = answered
+
+    def _refuse_direct(self) -> None:
+        """No longer dispatching: every direct request not written is answered None."""
+        self.accepting = False
+        for request in self.direct:
+            if not request.answer.done():
+                request.answer.set_result(None)
+        self.direct = []
+        answers, self.answers = self.answers, {}
+        for answered in answers.values():
+            answered(None, None)
 
     # -- dispatching --------------------------------------------------------------------------
 
@@ -161,12 +349,22 @@ class Dispatcher(RegistryHolder):
         for kv in snapshot.kvs:
             if kv.key.startswith(self.lease_prefix) and (lease := self._marker_lease(kv.key)):
                 self.leases[lease] = _DeliveryLease(bytes(kv.value), 0.0, set())
+        # producer keys not moved yet take their idxs in the order they were written
+        produces = []
         for kv in snapshot.kvs:
+            if kv.key.startswith(self.producers):
+                produces.append(kv)
+            else:
+                self._rebuilt(kv)
+        for kv in sorted(produces, key=lambda kv: kv.mod_revision):
             self._rebuilt(kv)
+        self.seen = snapshot.header.revision
         await self._hand_out()
         if not await self._flush():
             return
         responses: asyncio.Queue[list[kv_pb2.Event] | None] = asyncio.Queue()
+        self.wake = lambda: responses.put_nowait([])
+        self.accepting = True
 
         async def follow() -> None:
             try:
@@ -193,11 +391,16 @@ class Dispatcher(RegistryHolder):
                     if responses.empty():
                         break
                     events = responses.get_nowait()
+                self._take_direct()
                 await self._hand_out()
                 if not await self._flush():
                     return
+                if self.ops:  # an ack that lost to its lease's end put its message back
+                    self.wake()
         finally:
             watching.cancel()
+            self._refuse_direct()
+            self.wake = _nothing
 
     def _marker_lease(self, key: bytes) -> int:
         try:
@@ -325,6 +528,8 @@ class Dispatcher(RegistryHolder):
 
     def _on_events(self, events: list[kv_pb2.Event]) -> None:
         """One watch response, revision by revision."""
+        if events:
+            self.seen = max(self.seen, events[-1].kv.mod_revision)
         start = 0
         while start < len(events):
             revision = events[start].kv.mod_revision
@@ -417,11 +622,11 @@ class Dispatcher(RegistryHolder):
         if not consumers:
             return
         chosen: list[tuple[bytes, int]] = []
-        for idx in self.messages:
+        for idx, message in self.messages.items():
             if idx in self.holder:
                 continue
-            if not consumers:
-                break
+            if not consumers or message.written > self.seen:
+                break  # the rest waits, in order, for the watch to pass it
             self.turn %= len(consumers)
             registration = consumers[self.turn]
             held = self.held[registration]
@@ -484,14 +689,59 @@ class Dispatcher(RegistryHolder):
         guard = self.guard()
         for chunk in txn_chunks(ops):
             chunk.append(put_op(self.meta_key, b"%d" % self.next_idx))
-            reply = await self.session.txn(rpc_pb2.TxnRequest(compare=[guard], success=chunk))
+            try:
+                reply = await self.session.txn(rpc_pb2.TxnRequest(compare=[guard], success=chunk))
+            except CallError as e:
+                self._answer_chunk(chunk, None if e.retry else e)
+                raise
+            except BaseException:
+                self._answer_chunk(chunk, CallError(Status.UNAVAILABLE, DISPATCHER_STOPPED))
+                raise
             if not reply.succeeded:
                 log.warning("queue %s: no longer dispatching", grammar.show(self.registry))
                 return False
             self.ours.add(reply.header.revision)
             if len(self.ours) > 4096:
                 self.ours = {r for r in self.ours if r > reply.header.revision - 2048}
+            if self.answers:
+                for op, response in zip(chunk, reply.responses, strict=False):
+                    answered = self.answers.pop(id(op), None)
+                    if answered is not None:
+                        answered(reply, response)
         return True
+
+    def _answer_chunk(self, chunk: list[rpc_pb2.RequestOp], error: CallError | None) -> None:
+        """A Txn that was sent and not answered may have been applied: its
+        direct callers hear `error`. One that etcd never processed (None) is
+        answered like a deposed dispatcher's, and its callers write themselves."""
+        for op in chunk:
+            answered = self.answers.pop(id(op), None)
+            if answered is not None:
+                answered(error, None)
+
+
+def _settle(answer: asyncio.Future[bytes | None], error: CallError | None) -> None:
+    """A direct request not written (None), or failed with `error`."""
+    if answer.done():
+        return
+    if error is None:
+        answer.set_result(None)
+    else:
+        answer.set_exception(error)
+
+
+def _nothing() -> None:
+    pass
+
+
+def _keys(op: rpc_pb2.RequestOp) -> list[tuple[bytes, bool]]:
+    """(key, whether put) of each write `op` makes; a nested Txn's success branch
+    counts as its own (etcd checks duplicates across nesting too)."""
+    if op.HasField("request_put"):
+        return [(op.request_put.key, True)]
+    if op.HasField("request_txn"):
+        return [k for nested in op.request_txn.success for k in _keys(nested)]
+    return [(op.request_delete_range.key, False)]
 
 
 def txn_chunks(ops: list[rpc_pb2.RequestOp]) -> list[list[rpc_pb2.RequestOp]]:
@@ -504,13 +754,15 @@ def txn_chunks(ops: list[rpc_pb2.RequestOp]) -> list[list[rpc_pb2.RequestOp]]:
     puts: set[bytes] = set()
     deletes: set[bytes] = set()
     for op in ops:
-        put = op.HasField("request_put")
-        key = op.request_put.key if put else op.request_delete_range.key
-        if len(chunk) >= MAX_TXN_OPS - 1 or key in puts or (put and key in deletes):
+        keys = _keys(op)
+        if len(chunk) >= MAX_TXN_OPS - 1 or any(
+            key in puts or (put and key in deletes) for key, put in keys
+        ):
             out.append(chunk)
             chunk, puts, deletes = [], set(), set()
         chunk.append(op)
-        (puts if put else deletes).add(key)
+        for key, put in keys:
+            (puts if put else deletes).add(key)
     if chunk:
         out.append(chunk)
     return out

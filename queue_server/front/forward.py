@@ -28,6 +28,7 @@ from grpc import aio
 
 from etcdserverpb import rpc_pb2, v3election_pb2, v3lock_pb2
 from queue_server.errors import EtcdError
+from queue_server.front.direct import DELETE_PATH
 from queue_server.front.h2_client import CallError
 from queue_server.front.queues import QueueFronts, Refused
 from queue_server.front.upstream import Upstream
@@ -80,38 +81,49 @@ async def _abort_with(call: Call, error: aio.AioRpcError) -> None:
 
 Check = Callable[[bytes], Awaitable[None]]
 """A check of a request's bytes before it is forwarded; raises an EtcdError to refuse it."""
+Route = Callable[[bytes, Call, Callable[[], Awaitable[bytes]]], Awaitable[bytes]]
+"""Serves a request's bytes itself, or by the forwarding it is given (`direct.py`)."""
 
 
 def _checks(queues: QueueFronts | None) -> dict[str, Check]:
     """Requests a front checks before it forwards them: writes of queue keys."""
     if queues is None:
         return {}
-    return {
-        "/etcdserverpb.KV/Put": queues.admission.check_put,
-        "/etcdserverpb.KV/Txn": queues.admission.check_txn,
-    }
+    return {"/etcdserverpb.KV/Txn": queues.admission.check_txn}
 
 
-def _unary(upstream: Upstream, path: str, check: Check | None = None) -> Handler:
+def _routes(queues: QueueFronts | None) -> dict[str, Route]:
+    """Requests the queues may serve without etcd's own revision: produces and
+    acks (`direct.py`, which checks a Put as admission.py does)."""
+    if queues is None:
+        return {}
+    return {"/etcdserverpb.KV/Put": queues.direct.put, DELETE_PATH: queues.direct.delete}
+
+
+def _unary(
+    upstream: Upstream, path: str, check: Check | None = None, route: Route | None = None
+) -> Handler:
     send = upstream.unary.call
 
     async def handler(request: Any, call: Call) -> bytes:
         data = _as_bytes(request)
-        if check is not None:
-            try:
-                await check(data)
-            except EtcdError as e:
-                await call.abort(Status[e.code], e.text)
-            except CallError as e:  # the depth could not be read: as etcd's own failure
-                await call.abort(e.code, e.message)
         try:
+            if check is not None:
+                await check(data)
+            if route is not None:
+
+                def plain() -> Awaitable[bytes]:
+                    return send(path, data, call.invocation_metadata(), call.time_remaining())
+
+                return await route(data, call, plain)
             return await send(path, data, call.invocation_metadata(), call.time_remaining())
-        except CallError as e:
+        except EtcdError as e:
+            await call.abort(Status[e.code], e.text)
+        except CallError as e:  # the backend's status, or its failure, as etcd's own
             message = e.message
             if e.code is Status.UNAVAILABLE and not message.startswith("etcdserver:"):
                 message = UNAVAILABLE_TEXT + message
             await call.abort(e.code, message)
-            raise  # not reached: abort raises
 
     return handler
 
@@ -220,11 +232,12 @@ def forward_methods(upstream: Upstream, queues: QueueFronts | None = None) -> li
     lets the queues see consumer watches."""
     methods = []
     checks = _checks(queues)
+    routes = _routes(queues)
     for service in SERVICES:
         for m in service.methods:
             path = f"/{service.full_name}/{m.name}"
-            if path in checks:
-                handler = _unary(upstream, path, checks[path])
+            if path in checks or path in routes:
+                handler = _unary(upstream, path, checks.get(path), routes.get(path))
             else:
                 handler = _handler(upstream, path, m.client_streaming, m.server_streaming)
             if path == WATCH_PATH:

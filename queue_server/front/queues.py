@@ -13,8 +13,7 @@ what the forwarding asks of the queues, and the consumer side of a front.
   etcd.
 - The front that registers a queue's consumer campaigns to dispatch the queue
   (`dispatcher.py`).
-
-Not yet (issue 24): CQS.
+- Produces and acks go to the dispatching front when they can (`direct.py`).
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from grpc import aio
 
 from etcdserverpb import rpc_pb2
 from queue_server.front.admission import Admission
+from queue_server.front.direct import DirectWrites
 from queue_server.front.dispatcher import Dispatcher
 from queue_server.front.figures import FrontFigures
 from queue_server.front.session import (
@@ -110,6 +110,7 @@ class QueueFronts:
         self.session = FrontSession(upstream)
         self.session.renewed.append(self._register_again)
         self.admission = Admission(self.session)
+        self.direct = DirectWrites(self, own_credentials=bool(upstream.config.user))
         self.figures = FrontFigures(self.session)
         self.live: dict[bytes, grammar.QueueKey] = {}
         """The registrations of this front's consumer watches."""
@@ -296,4 +297,5 @@ class QueueFronts:
             dispatcher.stop()
         for task in list(self._tasks):
             task.cancel()
+        await self.direct.close()
         await self.session.stop()

@@ -25,6 +25,7 @@ import pytest
 
 from etcdserverpb import kv_pb2, rpc_pb2, rpc_pb2_grpc
 from queue_server.front.session import SESSION_TTL
+from queue_server.keyspace import grammar
 from tests.integration.test_queue import WatchStream, consumer_key, new_id
 from tests.support.processes import EtcdCluster, FrontProcess, free_port
 
@@ -741,3 +742,33 @@ def test_every_front_shows_the_queues_figures_and_which_front_dispatches(
         consumer.close()
     finally:
         watcher.stop()
+
+
+def test_a_produce_and_an_ack_on_fronts_are_written_by_the_dispatcher_in_its_own_txns(
+    cluster: EtcdCluster, fronts: list[FrontProcess]
+) -> None:
+    """front/direct.py: with a dispatcher running, a produce through either front
+    becomes its message key in the produce's own revision (no producer key
+    ever reaches etcd), and an ack deletes the delivery and the message key in one."""
+    a, b = fronts
+    name = b"fq-direct"
+    consumer = Consumer(a, name)  # a dispatches
+    first = kv(b).Put(rpc_pb2.PutRequest(key=b"/q/%s/p/k0" % name, value=b"v0"), timeout=WAIT)
+    [delivery] = consumer.deliveries(1)
+    with grpc.insecure_channel(cluster.endpoints[0]) as ch:
+        stub = rpc_pb2_grpc.KVStub(ch)
+        stored = stub.Range(
+            rpc_pb2.RangeRequest(key=b"/q/%s/" % name, range_end=b"/q/%s0" % name), timeout=WAIT
+        )
+        messages = [kv_ for kv_ in stored.kvs if grammar_kind(kv_.key) == "message"]
+        assert [m.mod_revision for m in messages] == [first.header.revision]
+        assert not [kv_ for kv_ in stored.kvs if grammar_kind(kv_.key) == "produce"]
+        assert ack(b, delivery.key) == 1
+        assert ack(b, delivery.key) == 0  # gone: etcd's own answer
+        assert pending_in_etcd(cluster, name) == 0
+    consumer.close()
+
+
+def grammar_kind(key: bytes) -> str:
+    parsed = grammar.parse(key)
+    return parsed.kind if parsed is not None else ""
