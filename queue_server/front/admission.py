@@ -2,10 +2,10 @@
 queue configs the embedded server refuses before proposing, refused the same
 way here, so a broken one never reaches etcd.
 
-What belongs here: `Admission`, whose `check_put` and `check_txn` take a
-request's bytes as they came. A request that names no queue key is never parsed
-(a bytes search for the queue prefixes decides), so plain KV traffic pays for a
-scan and nothing more. etcd's own checks of a request (an empty key, too many
+What belongs here: `Admission`, whose `check_put_request` takes a parsed
+PutRequest and `check_txn` a TxnRequest's bytes as they came. A request that
+names no queue key is never parsed (a bytes search for the queue prefixes,
+`names_a_queue`, decides), so plain KV traffic pays for a scan and nothing more. etcd's own checks of a request (an empty key, too many
 ops, overlapping puts) stay etcd's: a Txn that etcd would refuse anyway is
 forwarded, so its error comes from etcd, as it would embedded, where etcd's
 checks come first.
@@ -105,22 +105,17 @@ class Admission:
         self.known: dict[bytes, _Known] = {}
         """Registry key -> its max_depth, as last read."""
 
-    async def check_put(self, data: bytes) -> None:
-        """Refuse a serialized PutRequest as the embedded server would (an EtcdError)."""
-        if not names_a_queue(data):
-            return
-        await self.check_put_request(rpc_pb2.PutRequest.FromString(data))
-
     async def check_put_request(self, request: rpc_pb2.PutRequest) -> None:
-        """`check_put` of a request parsed already."""
+        """Refuse a PutRequest as the embedded server would (an EtcdError)."""
         check_queue_write(request.key, request.value)
         await self._check_depths(_produced(request))
 
-    async def check_txn(self, data: bytes) -> None:
+    async def check_txn(self, data: bytes) -> list[grammar.QueueKey]:
         """Refuse a serialized TxnRequest whose puts (in either branch, nested ones
-        too) the embedded server would refuse, unless etcd refuses it first."""
+        too) the embedded server would refuse, unless etcd refuses it first;
+        returns the produces it may make."""
         if not names_a_queue(data):
-            return
+            return []
         request = rpc_pb2.TxnRequest.FromString(data)
         try:
             # one walk: a queue refusal is raised only when etcd's checks pass
@@ -128,8 +123,10 @@ class Admission:
         except (MalformedQueueKey, InvalidQueueConfig, InvalidNotification):
             raise
         except EtcdError:
-            return  # etcd's own refusal: etcd answers it
-        await self._check_depths(_produced(request))
+            return []  # etcd's own refusal: etcd answers it
+        produced = _produced(request)
+        await self._check_depths(produced)
+        return produced
 
     async def _check_depths(self, produces: list[grammar.QueueKey]) -> None:
         counted: dict[bytes, tuple[grammar.QueueKey, int]] = {}

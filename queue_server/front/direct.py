@@ -19,7 +19,8 @@ asks first (`front/forward.py`). For a plain produce (a put of
   delivery, the dispatching front could not be reached), it is forwarded to
   etcd as it came, and the dispatcher sees it on its watch as before.
 
-Order: a producer key this front writes is remembered by its revision, and a
+Order: a producer key this front writes (a produce not taken directly, or one
+in a Txn) is remembered by its revision, and a
 later direct produce of the same queue waits until the dispatcher has followed
 its watch past it (`after`), so the produces of one front keep their order
 whichever way each one went.
@@ -53,6 +54,7 @@ HOP = "queue-server-direct"
 HOLDER_TTL = 1.0
 """Seconds a front trusts what it read of a queue's dispatching front."""
 PUT_PATH = "/etcdserverpb.KV/Put"
+TXN_PATH = "/etcdserverpb.KV/Txn"
 DELETE_PATH = "/etcdserverpb.KV/DeleteRange"
 
 Plain = Callable[[], Awaitable[bytes]]
@@ -92,34 +94,52 @@ class DirectWrites:
         if hop is None:  # a call handed here was checked where it came in
             await self.queues.admission.check_put_request(request)
         parsed = grammar.parse(request.key)
-        if (
-            parsed is None
-            or parsed.kind != "produce"
-            or request.lease
-            or request.prev_kv
-            or request.ignore_value
-            or request.ignore_lease
-            or (parsed.spelling == grammar.SHORT and parsed.name.startswith(DTO_QUEUE_PREFIX))
-            or (
-                parsed.spelling == grammar.SHORT
-                and parsed.name.decode(errors="replace") in self.queues.cqs_queues
-            )
-            or not self._eligible(call)
-        ):
+        if parsed is None or parsed.kind != "produce":
             return await plain()
         registry = grammar.registry_key(parsed.spelling, parsed.name)
-        after = max(self.plain_after.get(registry, 0), hop or 0)
+        if self._direct_produce(request, parsed, call):
+            after = max(self.plain_after.get(registry, 0), hop or 0)
 
-        async def take(dispatcher: Dispatcher) -> bytes | None:
-            return await dispatcher.produce(request, after)
+            async def take(dispatcher: Dispatcher) -> bytes | None:
+                return await dispatcher.produce(request, after)
 
-        answer = await self._direct(registry, PUT_PATH, data, call, hop, after, take)
-        if answer is not None:
-            return answer
+            answer = await self._direct(registry, PUT_PATH, data, call, hop, after, take)
+            if answer is not None:
+                return answer
         answer = await plain()
-        revision = rpc_pb2.PutResponse.FromString(answer).header.revision
-        self.plain_after[registry] = max(self.plain_after.get(registry, 0), revision)
+        self._wrote_plain([registry], rpc_pb2.PutResponse.FromString(answer).header.revision)
         return answer
+
+    async def txn(self, data: bytes, call: Call, plain: Plain) -> bytes:
+        """A Txn: checked as admission.py checks it, and forwarded; the
+        produces it made are remembered as plain ones."""
+        produced = await self.queues.admission.check_txn(data)
+        answer = await plain()
+        if produced:
+            self._wrote_plain(
+                [grammar.registry_key(qk.spelling, qk.name) for qk in produced],
+                rpc_pb2.TxnResponse.FromString(answer).header.revision,
+            )
+        return answer
+
+    def _direct_produce(
+        self, request: rpc_pb2.PutRequest, parsed: grammar.QueueKey, call: Call
+    ) -> bool:
+        """Whether a produce may be written by the dispatcher (module docstring)."""
+        if request.lease or request.prev_kv or request.ignore_value or request.ignore_lease:
+            return False
+        if parsed.spelling == grammar.SHORT and (
+            parsed.name.startswith(DTO_QUEUE_PREFIX)
+            or parsed.name.decode(errors="replace") in self.queues.cqs_queues
+        ):
+            return False
+        return self._eligible(call)
+
+    def _wrote_plain(self, registries: list[bytes], revision: int) -> None:
+        """Producer keys this front wrote at `revision`: its later direct produces
+        into those queues wait for the dispatcher's watch to pass it."""
+        for registry in registries:
+            self.plain_after[registry] = max(self.plain_after.get(registry, 0), revision)
 
     async def delete(self, data: bytes, call: Call, plain: Plain) -> bytes:
         """A DeleteRange: taken directly if it acknowledges one delivery."""

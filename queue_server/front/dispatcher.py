@@ -109,7 +109,8 @@ Answer = Callable[[rpc_pb2.TxnResponse | CallError | None, rpc_pb2.ResponseOp | 
 """What to do with the reply of the Txn that carried a direct request's op
 (None: the Txn failed its guard, or was never sent: nothing was written; a
 CallError: it was sent, and may have been applied)."""
-DISPATCHER_STOPPED = "etcdserver: backend unavailable: the queue's dispatcher stopped"
+DISPATCHER_STOPPED = "the queue's dispatcher stopped"
+"""An UNAVAILABLE's text (forward.py says it is the backend's, as for any)."""
 
 
 @dataclass(slots=True)

@@ -28,7 +28,7 @@ from grpc import aio
 
 from etcdserverpb import rpc_pb2, v3election_pb2, v3lock_pb2
 from queue_server.errors import EtcdError
-from queue_server.front.direct import DELETE_PATH
+from queue_server.front.direct import DELETE_PATH, PUT_PATH, TXN_PATH
 from queue_server.front.h2_client import CallError
 from queue_server.front.queues import QueueFronts, Refused
 from queue_server.front.upstream import Upstream
@@ -79,37 +79,30 @@ async def _abort_with(call: Call, error: aio.AioRpcError) -> None:
     await call.abort(code, details)
 
 
-Check = Callable[[bytes], Awaitable[None]]
-"""A check of a request's bytes before it is forwarded; raises an EtcdError to refuse it."""
 Route = Callable[[bytes, Call, Callable[[], Awaitable[bytes]]], Awaitable[bytes]]
-"""Serves a request's bytes itself, or by the forwarding it is given (`direct.py`)."""
-
-
-def _checks(queues: QueueFronts | None) -> dict[str, Check]:
-    """Requests a front checks before it forwards them: writes of queue keys."""
-    if queues is None:
-        return {}
-    return {"/etcdserverpb.KV/Txn": queues.admission.check_txn}
+"""Serves a request's bytes itself, or by the forwarding it is given; raises
+an EtcdError to refuse it (`direct.py`)."""
 
 
 def _routes(queues: QueueFronts | None) -> dict[str, Route]:
-    """Requests the queues may serve without etcd's own revision: produces and
-    acks (`direct.py`, which checks a Put as admission.py does)."""
+    """The writes the queues see before etcd does: checked as admission.py
+    checks them, and produces and acks served without a revision of their own
+    (`direct.py`)."""
     if queues is None:
         return {}
-    return {"/etcdserverpb.KV/Put": queues.direct.put, DELETE_PATH: queues.direct.delete}
+    return {
+        PUT_PATH: queues.direct.put,
+        TXN_PATH: queues.direct.txn,
+        DELETE_PATH: queues.direct.delete,
+    }
 
 
-def _unary(
-    upstream: Upstream, path: str, check: Check | None = None, route: Route | None = None
-) -> Handler:
+def _unary(upstream: Upstream, path: str, route: Route | None = None) -> Handler:
     send = upstream.unary.call
 
     async def handler(request: Any, call: Call) -> bytes:
         data = _as_bytes(request)
         try:
-            if check is not None:
-                await check(data)
             if route is not None:
 
                 def plain() -> Awaitable[bytes]:
@@ -231,13 +224,12 @@ def forward_methods(upstream: Upstream, queues: QueueFronts | None = None) -> li
     """Every method of `SERVICES`, forwarded to `upstream`; with `queues`, Watch
     lets the queues see consumer watches."""
     methods = []
-    checks = _checks(queues)
     routes = _routes(queues)
     for service in SERVICES:
         for m in service.methods:
             path = f"/{service.full_name}/{m.name}"
-            if path in checks or path in routes:
-                handler = _unary(upstream, path, checks.get(path), routes.get(path))
+            if path in routes:
+                handler = _unary(upstream, path, routes[path])
             else:
                 handler = _handler(upstream, path, m.client_streaming, m.server_streaming)
             if path == WATCH_PATH:

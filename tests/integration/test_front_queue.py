@@ -772,3 +772,26 @@ def test_a_produce_and_an_ack_on_fronts_are_written_by_the_dispatcher_in_its_own
 def grammar_kind(key: bytes) -> str:
     parsed = grammar.parse(key)
     return parsed.kind if parsed is not None else ""
+
+
+def test_a_produce_forwarded_to_etcd_is_not_overtaken_by_a_direct_one_after_it(
+    fronts: list[FrontProcess],
+) -> None:
+    """A produce with a lease goes to etcd as a producer key (front/direct.py);
+    the plain produce sent after it on the same front waits for the dispatcher
+    to have moved it, so the consumer receives them in the order they were made."""
+    a, b = fronts
+    name = b"fq-direct-order"
+    consumer = Consumer(a, name)  # a dispatches; the produces come in on b
+    lease = lease_stub(b).LeaseGrant(rpc_pb2.LeaseGrantRequest(TTL=60), timeout=WAIT).ID
+    for i in range(5):
+        kv(b).Put(
+            rpc_pb2.PutRequest(key=b"/q/%s/p/l%d" % (name, i), value=b"%d" % (2 * i), lease=lease),
+            timeout=WAIT,
+        )
+        produce(b, name, b"d%d" % i, b"%d" % (2 * i + 1))
+    got = consumer.deliveries(10)
+    assert [int(kv_.value) for kv_ in got] == list(range(10))
+    for kv_ in got:
+        assert ack(b, kv_.key) == 1
+    consumer.close()
