@@ -98,6 +98,9 @@ class Consumer:
         key = b"/q/%s/c/%s" % (name, str(uuid.uuid4()).encode())
         self._requests.put(rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=key)))
         self.key = key
+        self.ended = ""
+        """Why its watch or an ack failed, which ends it (a client's retries are
+        not the harness's business: an error here is a finding)."""
         stub = rpc_pb2_grpc.WatchStub(self.channel)
         self._call = stub.Watch(iter(self._requests.get, None), timeout=600)
         self._thread = threading.Thread(target=self._read, daemon=True)
@@ -105,12 +108,14 @@ class Consumer:
 
     def _read(self) -> None:
         kv = rpc_pb2_grpc.KVStub(self.channel)
-        with contextlib.suppress(grpc.RpcError):
+        try:
             for response in self._call:
                 for event in response.events:
                     if event.type == kv_pb2.Event.PUT:
                         self.arrivals.put((time.monotonic(), event.kv))
                         kv.DeleteRange(rpc_pb2.DeleteRangeRequest(key=event.kv.key), timeout=10)
+        except grpc.RpcError as e:
+            self.ended = f"{e.code().name}: {e.details()}"
 
     def close(self) -> None:
         self._requests.put(None)
@@ -174,6 +179,8 @@ def run_failover(etcd: Cluster, args: argparse.Namespace, work: Path) -> dict[st
                         took = at - killed
                         break
             log(f"  kill {k + 1}: next delivery after {took if took is not None else 'none'}")
+            if took is None and survivor.ended:
+                log(f"  the survivor's consumer had ended: {survivor.ended}")
             if took is not None:
                 times.append(took)
             index = fronts.index(victim)

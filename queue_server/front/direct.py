@@ -17,7 +17,13 @@ asks first (`front/forward.py`). For a plain produce (a put of
 - otherwise, and whenever the dispatcher cannot take it without a doubt that
   nothing was written (it was deposed, it is rebuilding, it does not know the
   delivery, the dispatching front could not be reached), it is forwarded to
-  etcd as it came, and the dispatcher sees it on its watch as before.
+  etcd, and the dispatcher sees it on its watch as before: a produce as it
+  came, an ack as the dispatcher would write it (`dispatcher.ack_txn`: the
+  delivery and the message key in one Txn), so that a dispatcher rebuilt from
+  etcd later cannot take an acknowledged message for one never handed out. An
+  ack goes to etcd even when the dispatching front may have written it (it
+  died with the call in flight), as the second one deletes nothing; a produce
+  in that state fails UNAVAILABLE, since a second one would be a duplicate.
 
 Order: a producer key this front writes (a produce not taken directly, or one
 in a Txn) is remembered by its revision, and a
@@ -41,12 +47,12 @@ from typing import TYPE_CHECKING
 from etcdserverpb import rpc_pb2
 from queue_server.cqs.state import DTO_QUEUE_PREFIX
 from queue_server.front.admission import names_a_queue
+from queue_server.front.dispatcher import Dispatcher, ack_txn
 from queue_server.front.h2_client import CallError, UnaryPool
 from queue_server.keyspace import grammar
 from queue_server.transport.methods import Call
 
 if TYPE_CHECKING:
-    from queue_server.front.dispatcher import Dispatcher
     from queue_server.front.queues import QueueFronts
 
 HOP = "queue-server-direct"
@@ -59,6 +65,7 @@ DELETE_PATH = "/etcdserverpb.KV/DeleteRange"
 
 Plain = Callable[[], Awaitable[bytes]]
 """The call forwarded to etcd as it came: its response bytes."""
+Send = Callable[[str, bytes, Sequence[tuple[str, str]], float | None], Awaitable[bytes]]
 
 
 def _hop(metadata: Sequence[tuple[str, str]]) -> int | None:
@@ -72,8 +79,10 @@ def _hop(metadata: Sequence[tuple[str, str]]) -> int | None:
 class DirectWrites:
     """The direct path of one front's produces and acks (module docstring)."""
 
-    def __init__(self, queues: QueueFronts, own_credentials: bool) -> None:
+    def __init__(self, queues: QueueFronts, own_credentials: bool, send: Send) -> None:
         self.queues = queues
+        self.send = send
+        """The backend's unary calls (`UnaryPool.call`)."""
         self.enabled = not own_credentials
         self.holders: dict[bytes, tuple[bytes | None, float]] = {}
         """Registry key -> (the dispatching front's id, or None: vacant; until)."""
@@ -161,8 +170,26 @@ class DirectWrites:
             return await dispatcher.acknowledge(parsed)
 
         hop = _hop(call.invocation_metadata())
-        answer = await self._direct(registry, DELETE_PATH, data, call, hop, 0, take)
-        return answer if answer is not None else await plain()
+        try:
+            answer = await self._direct(registry, DELETE_PATH, data, call, hop, 0, take)
+        except CallError:
+            # The dispatching front may or may not have written the ack (it died
+            # with the call in flight), and an ack may be written twice: the
+            # second deletes nothing.
+            answer = None
+        if answer is not None:
+            return answer
+        message = grammar.message_key(parsed.spelling, parsed.name, parsed.idx, parsed.key)
+        reply = rpc_pb2.TxnResponse.FromString(
+            await self.send(
+                TXN_PATH,
+                ack_txn(request.key, message).SerializeToString(),
+                call.invocation_metadata(),
+                call.time_remaining(),
+            )
+        )
+        deleted = rpc_pb2.DeleteRangeResponse(header=reply.header, deleted=int(reply.succeeded))
+        return bytes(deleted.SerializeToString())
 
     async def _direct(
         self,

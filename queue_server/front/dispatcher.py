@@ -280,19 +280,7 @@ class Dispatcher(RegistryHolder):
         delivery = self._delivery_key(registration, idx, message.key)
         # the delivery may be gone already: its lease ended in a revision the
         # watch has not brought yet. Then the message is not acknowledged.
-        op = rpc_pb2.RequestOp(
-            request_txn=rpc_pb2.TxnRequest(
-                compare=[
-                    rpc_pb2.Compare(
-                        key=delivery,
-                        target=rpc_pb2.Compare.VERSION,
-                        result=rpc_pb2.Compare.GREATER,
-                        version=0,
-                    )
-                ],
-                success=[delete_op(delivery), delete_op(self._message_key(idx, message))],
-            )
-        )
+        op = rpc_pb2.RequestOp(request_txn=ack_txn(delivery, self._message_key(idx, message)))
         self.ops.append(op)
         del self.messages[idx]
         self._release(idx)
@@ -584,9 +572,15 @@ class Dispatcher(RegistryHolder):
             else:
                 self._acknowledged(parsed.idx)
         elif parsed.kind == "message" and deleted:
-            # a client deleted it (a cancel) or its lease expired: a put of it
-            # still waiting in our ops would bring it back
-            self.ops = [op for op in self.ops if op.request_put.key != kv.key]
+            # a client deleted it (a cancel, or an ack's Txn: `ack_txn`) or its
+            # lease expired: a put of it still waiting in our ops would bring it
+            # back, and a delete of it would delete nothing
+            key = kv.key
+            self.ops = [
+                op
+                for op in self.ops
+                if op.request_put.key != key and op.request_delete_range.key != key
+            ]
             self._acknowledged(parsed.idx, message_gone=True)
 
     def _acknowledged(self, idx: int, message_gone: bool = False) -> None:
@@ -719,6 +713,19 @@ class Dispatcher(RegistryHolder):
             answered = self.answers.pop(id(op), None)
             if answered is not None:
                 answered(error, None)
+
+
+def ack_txn(delivery: bytes, message: bytes) -> rpc_pb2.TxnRequest:
+    """An ack as one Txn: the delivery key and its message key deleted together,
+    if the delivery is still there. Whoever writes it (the dispatcher, or a
+    front forwarding a consumer's delete: `direct.py`), no dispatcher rebuilt
+    from etcd afterwards can take the message for one never handed out."""
+    still_there = rpc_pb2.Compare(
+        key=delivery, target=rpc_pb2.Compare.VERSION, result=rpc_pb2.Compare.GREATER, version=0
+    )
+    return rpc_pb2.TxnRequest(
+        compare=[still_there], success=[delete_op(delivery), delete_op(message)]
+    )
 
 
 def _settle(answer: asyncio.Future[bytes | None], error: CallError | None) -> None:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import queue
 import shutil
+import signal
 import threading
 import time
 import urllib.request
@@ -767,6 +769,73 @@ def test_a_produce_and_an_ack_on_fronts_are_written_by_the_dispatcher_in_its_own
         assert ack(b, delivery.key) == 0  # gone: etcd's own answer
         assert pending_in_etcd(cluster, name) == 0
     consumer.close()
+
+
+def bytes_queued_at(port: int) -> int:
+    """Bytes received and not yet read by the sockets of established TCP
+    connections whose local port is `port` (/proc/net/tcp's rx_queue)."""
+    total = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, state, queues = fields[1], fields[3], fields[4]
+        if state == "01" and int(local.rpartition(":")[2], 16) == port:
+            total += int(queues.partition(":")[2], 16)
+    return total
+
+
+def test_an_ack_in_flight_when_the_dispatching_front_dies_is_written_through_etcd(
+    cluster: EtcdCluster, fronts: list[FrontProcess]
+) -> None:
+    """front/direct.py: an ack that b handed to the dispatching front a, which
+    died before answering, may or may not have been written; b deletes the
+    delivery key in etcd itself (a second delete is harmless), so the client's
+    ack succeeds, where a produce in that state fails UNAVAILABLE."""
+    a, b = fronts
+    name = b"fq-direct-ack-dies"
+    on_a = Consumer(a, name)  # a dispatches
+    on_b = Consumer(b, name)
+    for i in range(6):  # through b: b's connection to a is open from here on
+        produce(b, name, b"k%d" % i, b"v%d" % i)
+    got = collect([on_a, on_b], 6)
+    held_by_b = [kv_ for kv_ in got if kv_.key.startswith(on_b.registration + b"/")]
+    assert held_by_b, "round-robin gave the consumer on b nothing"
+    for kv_ in got:
+        if kv_ not in held_by_b:
+            assert ack(b, kv_.key) == 1
+    assert a.proc is not None
+    port = int(a.endpoint.rpartition(":")[2])
+    os.kill(a.proc.pid, signal.SIGSTOP)
+    try:
+        queued = bytes_queued_at(port)
+        acked: queue.Queue[int | grpc.RpcError] = queue.Queue()
+
+        def send_ack() -> None:
+            try:
+                acked.put(ack(b, held_by_b[0].key))
+            except grpc.RpcError as e:
+                acked.put(e)
+
+        threading.Thread(target=send_ack, daemon=True).start()
+        deadline = time.monotonic() + WAIT
+        # the ack's HEADERS and DATA frames (its key alone is over 60 bytes)
+        # wait in a's socket: a has it and will never answer
+        while bytes_queued_at(port) < queued + 60:
+            assert time.monotonic() < deadline, "b did not hand the ack to a"
+            time.sleep(0.01)
+    finally:
+        a.kill()
+    answer = acked.get(timeout=WAIT)
+    assert answer == 1, f"the ack failed: {answer}"
+    for kv_ in held_by_b[1:]:
+        assert ack(b, kv_.key) == 1
+    deadline = time.monotonic() + WAIT
+    while pending_in_etcd(cluster, name):  # b took over and saw the ack's delete
+        assert time.monotonic() < deadline, "the acked message is still in etcd"
+        time.sleep(0.05)
+    produce(b, name, b"after", b"after")
+    assert [kv_.value for kv_ in on_b.deliveries(1)] == [b"after"]
+    on_a.close()
+    on_b.close()
 
 
 def grammar_kind(key: bytes) -> str:
