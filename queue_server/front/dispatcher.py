@@ -71,7 +71,12 @@ from queue_server.transport.status import Status
 log = logging.getLogger(__name__)
 
 MAX_TXN_OPS = 128
-"""etcd's --max-txn-ops default: the most operations one hand-out Txn carries."""
+"""etcd's --max-txn-ops default: the most operations one hand-out Txn carries,
+counting those of a nested Txn with the ones around it, as etcd does."""
+MAX_TXN_BYTES = 1 << 20
+"""The most bytes of operations in one Txn: under etcd's --max-request-bytes
+default (1.5 MiB), with room for the guard and the meta key. A hand-out carries
+its message's value, so many large messages need several Txns."""
 LEASE_REUSE = 1.0
 """Seconds a consumer's delivery lease takes further hand-outs after its grant.
 Its TTL is the ack deadline plus this, so no delivery gets less than the
@@ -753,24 +758,47 @@ def _keys(op: rpc_pb2.RequestOp) -> list[tuple[bytes, bool]]:
 
 
 def txn_chunks(ops: list[rpc_pb2.RequestOp]) -> list[list[rpc_pb2.RequestOp]]:
-    """`ops` in order, cut into Txns etcd takes: fewer than MAX_TXN_OPS each
-    (one is left for the meta key), and a new Txn wherever a key would be put
-    twice, or put and deleted, in one (etcd refuses those: "duplicate key given
-    in txn request"). Two produces or dead letters of one `{key}` can meet so."""
+    """`ops` in order, cut into Txns etcd takes (one more operation, the meta
+    key, is added to each):
+
+    - etcd counts a nested Txn's operations against what the Txn around it
+      leaves: the outer count plus the largest nested one at most MAX_TXN_OPS
+      ("too many operations in txn request");
+    - at most MAX_TXN_BYTES of operations ("request is too large"); one larger
+      operation goes alone;
+    - a new Txn wherever a key would be put twice, or put and deleted, in one
+      (etcd refuses those: "duplicate key given in txn request"). Two produces
+      or dead letters of one `{key}` can meet so."""
     out: list[list[rpc_pb2.RequestOp]] = []
     chunk: list[rpc_pb2.RequestOp] = []
     puts: set[bytes] = set()
     deletes: set[bytes] = set()
+    nested = 0  # the largest nested Txn's operation count in `chunk`
+    size = 0
     for op in ops:
         keys = _keys(op)
-        if len(chunk) >= MAX_TXN_OPS - 1 or any(
-            key in puts or (put and key in deletes) for key, put in keys
+        inner = _nested_ops(op)
+        op_size = op.ByteSize()
+        if chunk and (
+            len(chunk) + 2 + max(nested, inner) > MAX_TXN_OPS  # itself and the meta key
+            or size + op_size > MAX_TXN_BYTES
+            or any(key in puts or (put and key in deletes) for key, put in keys)
         ):
             out.append(chunk)
-            chunk, puts, deletes = [], set(), set()
+            chunk, puts, deletes, nested, size = [], set(), set(), 0, 0
         chunk.append(op)
+        nested = max(nested, inner)
+        size += op_size
         for key, put in keys:
             (puts if put else deletes).add(key)
     if chunk:
         out.append(chunk)
     return out
+
+
+def _nested_ops(op: rpc_pb2.RequestOp) -> int:
+    """The operation count etcd charges a nested Txn `op` (0: not a Txn)."""
+    if not op.HasField("request_txn"):
+        return 0
+    txn = op.request_txn
+    return max(len(txn.compare), len(txn.success), len(txn.failure))
