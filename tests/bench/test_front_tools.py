@@ -68,7 +68,7 @@ def test_quick_queue_through_fronts_and_the_failover(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-6000:]}"
     doc = json.loads(json_path.read_text())
-    assert list(doc["rows"]) == ["recipe", "fronts=1", "fronts=2", "fronts=3"]
+    assert list(doc["rows"]) == ["recipe", "recipe-4", "fronts=1", "fronts=2", "fronts=3"]
     for name, row in doc["rows"].items():
         assert row["ok"] and row["per_second"] > 0, (name, row.get("failures"))
         assert row["cpu_s"]["etcd"] > 0
