@@ -33,6 +33,7 @@ It is written for one peer, grpc-go as etcd runs it, and no more:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import ssl
@@ -65,6 +66,7 @@ from queue_server.transport.h2 import (
     SETTINGS,
     SETTINGS_ENABLE_PUSH,
     SETTINGS_INITIAL_WINDOW_SIZE,
+    SETTINGS_MAX_CONCURRENT_STREAMS,
     SETTINGS_MAX_FRAME_SIZE,
     WINDOW_UPDATE,
     ErrorCode,
@@ -87,6 +89,8 @@ KEEPALIVE_PING = b"frontkap"
 CONNECTIONS = 2
 """Connections per front to the backend: calls are spread over them, so one
 connection's writes and reads do not serialize every call."""
+UNLIMITED_STREAMS = 1 << 32
+"""No limit on concurrent streams until the backend's SETTINGS names one (RFC 9113 6.5.2)."""
 RECV_TOP_UP = MAX_WINDOW // 2
 """Connection window used before we give it back in one WINDOW_UPDATE."""
 DECODED_BLOCKS = 64
@@ -141,6 +145,13 @@ class _Connection(asyncio.Protocol):
         self.peer_window = DEFAULT_WINDOW
         self.peer_initial = DEFAULT_WINDOW
         self.peer_max_frame = DEFAULT_MAX_FRAME
+        self.peer_max_streams = UNLIMITED_STREAMS
+        """The backend's SETTINGS_MAX_CONCURRENT_STREAMS (etcd's
+        --max-concurrent-streams): calls past it wait in `waiting`, as grpc-go's
+        do, instead of being refused."""
+        self.waiting: collections.deque[tuple[bytes, bytes, asyncio.Future[bytes]]] = (
+            collections.deque()
+        )
         self.recv_used = 0
         self.buf = bytearray()
         self.decoder = Decoder()
@@ -201,6 +212,7 @@ class _Connection(asyncio.Protocol):
                     )
                 )
         self.calls.clear()
+        self._fail_waiting(f"connection to {self.address} lost before the call was sent")
 
     def data_received(self, data: bytes) -> None:
         self.heard = True
@@ -258,7 +270,10 @@ class _Connection(asyncio.Protocol):
                     call.send_window += delta
             elif key == SETTINGS_MAX_FRAME_SIZE:
                 self.peer_max_frame = value
+            elif key == SETTINGS_MAX_CONCURRENT_STREAMS:
+                self.peer_max_streams = value
         self._write(_frame(SETTINGS, FLAG_ACK, 0))
+        self._start_waiting()
         if not self.ready.done():
             self.ready.set_result(None)
         self._send_blocked()
@@ -348,9 +363,10 @@ class _Connection(asyncio.Protocol):
     def _on_goaway(self, last_stream_id: int, debug: bytes) -> None:
         self.draining = True
         self.pool.forget(self)
+        message = f"the backend is going away: {debug.decode('utf-8', 'replace')}"
         for sid in [s for s in self.calls if s > last_stream_id]:
-            message = f"the backend is going away: {debug.decode('utf-8', 'replace')}"
             self._finish(sid, self.calls[sid], CallError(Status.UNAVAILABLE, message, retry=True))
+        self._fail_waiting(message)
         if not self.calls and self.transport is not None:
             self._flush()
             self.transport.close()
@@ -395,27 +411,53 @@ class _Connection(asyncio.Protocol):
         self._after_call()
 
     def _after_call(self) -> None:
+        if self.waiting:
+            self._start_waiting()
         if self.draining and not self.calls and self.transport is not None:
             self._flush()
             self.transport.close()
 
     def start(self, header_block: bytes, message: bytes) -> asyncio.Future[bytes]:
-        """Open a stream for one unary call; the future resolves to the response bytes."""
+        """One unary call: its stream opened now, or once the backend's stream
+        limit allows; the future resolves to the response bytes."""
         assert self.transport is not None
+        done: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        if len(self.calls) >= self.peer_max_streams or self.waiting:
+            self.waiting.append((header_block, message, done))
+        else:
+            self._open(header_block, message, done)
+        return done
+
+    def _open(self, header_block: bytes, message: bytes, done: asyncio.Future[bytes]) -> None:
         sid = self.next_id
         self.next_id += 2
         if self.next_id > MAX_STREAM_ID:  # ids run out: new calls go to a new connection
             self.draining = True
             self.pool.forget(self)
         body = _MESSAGE_PREFIX.pack(0, len(message)) + message
-        call = _Call(
-            asyncio.get_running_loop().create_future(), memoryview(body), self.peer_initial
-        )
+        call = _Call(done, memoryview(body), self.peer_initial)
         self.calls[sid] = call
         self._write(_frame(HEADERS, FLAG_END_HEADERS, sid, header_block))
         if not self._send(sid, call):
             self.blocked.append(sid)
-        return call.done
+
+    def _start_waiting(self) -> None:
+        """Open the streams of waiting calls the backend's limit now allows."""
+        waiting = self.waiting
+        while waiting and len(self.calls) < self.peer_max_streams:
+            if self.draining or self.lost or self.transport is None:
+                self._fail_waiting(f"connection to {self.address} closing")
+                return
+            header_block, message, done = waiting.popleft()
+            if not done.done():  # its caller gave up meanwhile
+                self._open(header_block, message, done)
+
+    def _fail_waiting(self, why: str) -> None:
+        """Waiting calls were never sent: their callers may send them again."""
+        while self.waiting:
+            _, _, done = self.waiting.popleft()
+            if not done.done():
+                done.set_exception(CallError(Status.UNAVAILABLE, why, retry=True))
 
     def _write(self, data: bytes) -> None:
         """Queue bytes for the socket: what one turn of the loop queues goes out
@@ -454,6 +496,10 @@ class _Connection(asyncio.Protocol):
         self.blocked = still
 
     def cancel(self, future: asyncio.Future[bytes]) -> None:
+        for i, (_, _, done) in enumerate(self.waiting):
+            if done is future:
+                del self.waiting[i]
+                return
         for sid, call in list(self.calls.items()):
             if call.done is future:
                 del self.calls[sid]

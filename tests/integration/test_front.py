@@ -252,6 +252,38 @@ def test_without_a_backend_a_front_refuses_with_unavailable_and_recovers(
         assert time.monotonic() < deadline, "health did not come back"
 
 
+def test_a_front_keeps_to_the_backends_stream_limit_instead_of_failing_calls(
+    tmp_path: Path,
+) -> None:
+    """etcd's --max-concurrent-streams: grpc-go refuses streams past it
+    (RST_STREAM REFUSED_STREAM). The front's calls past the limit wait for a
+    stream, as clientv3's do, so many concurrent clients all get answers."""
+    backend = EtcdProcess(tmp_path / "streams.etcd", ["--max-concurrent-streams", "2"]).start()
+    front = FrontProcess(tmp_path / "front.etcd", [backend.endpoint])
+    try:
+        front.start()
+        with grpc.insecure_channel(front.endpoint) as channel:
+            stub = rpc_pb2_grpc.KVStub(channel)
+            calls = [
+                stub.Put.future(
+                    rpc_pb2.PutRequest(key=b"/front/streams/%d" % i, value=b"v"), timeout=WAIT
+                )
+                for i in range(64)
+            ]
+            errors = [c.exception() for c in calls if c.exception() is not None]
+            assert not errors, f"{len(errors)} of 64 puts failed, first: {errors[0]}"
+            count = stub.Range(
+                rpc_pb2.RangeRequest(
+                    key=b"/front/streams/", range_end=b"/front/streams0", count_only=True
+                ),
+                timeout=WAIT,
+            ).count
+            assert count == 64
+    finally:
+        front.stop()
+        backend.stop()
+
+
 # -- auth and TLS through a front -----------------------------------------------------
 
 
