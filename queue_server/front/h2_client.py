@@ -424,6 +424,7 @@ class _Connection(asyncio.Protocol):
         done: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         if len(self.calls) >= self.peer_max_streams or self.waiting:
             self.waiting.append((header_block, message, done))
+            self._start_waiting()  # in order: behind those waiting already
         else:
             self._open(header_block, message, done)
         return done
