@@ -65,7 +65,6 @@ DELETE_PATH = "/etcdserverpb.KV/DeleteRange"
 
 Plain = Callable[[], Awaitable[bytes]]
 """The call forwarded to etcd as it came: its response bytes."""
-Send = Callable[[str, bytes, Sequence[tuple[str, str]], float | None], Awaitable[bytes]]
 
 
 def _hop(metadata: Sequence[tuple[str, str]]) -> int | None:
@@ -79,10 +78,8 @@ def _hop(metadata: Sequence[tuple[str, str]]) -> int | None:
 class DirectWrites:
     """The direct path of one front's produces and acks (module docstring)."""
 
-    def __init__(self, queues: QueueFronts, own_credentials: bool, send: Send) -> None:
+    def __init__(self, queues: QueueFronts, own_credentials: bool) -> None:
         self.queues = queues
-        self.send = send
-        """The backend's unary calls (`UnaryPool.call`)."""
         self.enabled = not own_credentials
         self.holders: dict[bytes, tuple[bytes | None, float]] = {}
         """Registry key -> (the dispatching front's id, or None: vacant; until)."""
@@ -181,7 +178,7 @@ class DirectWrites:
             return answer
         message = grammar.message_key(parsed.spelling, parsed.name, parsed.idx, parsed.key)
         reply = rpc_pb2.TxnResponse.FromString(
-            await self.send(
+            await self.queues.session.upstream.unary.call(
                 TXN_PATH,
                 ack_txn(request.key, message).SerializeToString(),
                 call.invocation_metadata(),

@@ -110,9 +110,7 @@ class QueueFronts:
         self.session = FrontSession(upstream)
         self.session.renewed.append(self._register_again)
         self.admission = Admission(self.session)
-        self.direct = DirectWrites(
-            self, own_credentials=bool(upstream.config.user), send=upstream.unary.call
-        )
+        self.direct = DirectWrites(self, own_credentials=bool(upstream.config.user))
         self.figures = FrontFigures(self.session)
         self.live: dict[bytes, grammar.QueueKey] = {}
         """The registrations of this front's consumer watches."""

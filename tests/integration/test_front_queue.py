@@ -787,9 +787,9 @@ def test_an_ack_in_flight_when_the_dispatching_front_dies_is_written_through_etc
     cluster: EtcdCluster, fronts: list[FrontProcess]
 ) -> None:
     """front/direct.py: an ack that b handed to the dispatching front a, which
-    died before answering, may or may not have been written; b deletes the
-    delivery key in etcd itself (a second delete is harmless), so the client's
-    ack succeeds, where a produce in that state fails UNAVAILABLE."""
+    died before answering, may or may not have been written; b writes it to
+    etcd itself as the dispatcher's ack Txn (a second one deletes nothing), so
+    the client's ack succeeds, where a produce in that state fails UNAVAILABLE."""
     a, b = fronts
     name = b"fq-direct-ack-dies"
     on_a = Consumer(a, name)  # a dispatches
