@@ -62,13 +62,15 @@ which a second holder of the message would be seen. Four consumers take about
 the prefetch of 64 each) when a fault comes."""
 PRODUCE_PACE = 0.003
 """Pause between produces: a steady stream (over 100 a second), not a flood."""
-SLOW_PRODUCE_PACE = 0.015
-"""Pause between produces when the stream must outlast a fault of CUT_SECONDS."""
 RECONNECT_PAUSE = 0.1
 """Pause before a consumer watches again after its stream broke (client backoff)."""
 CUT_SECONDS = 6.0
 """Shortest time the dispatching member stays cut off: longer than the 4 s
 session TTL of the members' consumers, which must outlive the cut."""
+SLOW_PRODUCE_PACE = 1.5 * CUT_SECONDS / (MESSAGES * 3 // 4)
+"""Pause between produces when the stream must outlast a fault of CUT_SECONDS: the
+three quarters produced after the cut take at least half as long again as the cut,
+however fast each put is (at 0.015 s a fast run once finished inside the cut)."""
 LIFETIME = 120.0
 """Longest a consumer stream stays open if the test never closes it."""
 
