@@ -132,6 +132,15 @@ def _per_request_us(cpu: float | None, res: RunResult) -> str:
     return f"{cpu * 1e6 / res.report.requests:,.0f}"
 
 
+def _cores_busy(res: RunResult) -> str:
+    """The machine's busy CPU over the run (the measured server, the tool, and everything
+    else, etcd behind a front or proxy among it) over the run's wall time."""
+    parts = (res.server_cpu_s, res.tool_cpu_s, res.other_cpu_s)
+    if None in parts or not res.wall_s:
+        return "—"
+    return f"{sum(p or 0.0 for p in parts) / res.wall_s:.2f}"
+
+
 def markdown(
     rows: list[tuple[Workload, int, dict[str, tuple[RunResult, float | None]]]],
     meta: dict[str, Any],
@@ -141,25 +150,34 @@ def markdown(
         "",
         f"- commit {meta.get('commit')}, etcd {meta.get('etcd_version')}, {meta.get('date')}",
         f"- tool: etcd's benchmark ({meta.get('tool')}), {meta.get('mode')} counts",
-        "- CPU per request: of the front or proxy (`middle`) and of etcd, in µs",
+        "- CPU per request, in µs: of the front or proxy (`middle`), of etcd, of the load",
+        "  generator (`tool`), and of the three together (`all`); `cores busy` is the machine's",
+        "  busy CPU over the run (every process) over its wall time. Where the cores are all",
+        "  busy, requests/s follow `all`: a path's ratio is about straight's `all` over its own.",
         "",
-        "| workload | path | req/s | vs straight | p50 ms | p99 ms | middle µs/req | etcd µs/req |",
-        "|---|---|--:|--:|--:|--:|--:|--:|",
+        "| workload | path | req/s | vs straight | p50 ms | p99 ms "
+        "| middle µs/req | etcd µs/req | tool µs/req | all µs/req | cores busy |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for wl, _, results in rows:
         straight = results["etcd"][0].report.rps
         for path in PATHS:
             res, etcd_cpu = results[path]
             if not res.ok or res.report.rps is None:
-                out.append(f"| {wl.name} | {path} | failed: {res.error} | | | | | |")
+                out.append(f"| {wl.name} | {path} | failed: {res.error} | | | | | | | | |")
                 continue
             ratio = f"{res.report.rps / straight:.2f}x" if straight else "—"
             p = res.report.percentiles_ms
-            middle = "—" if path == "etcd" else _per_request_us(res.server_cpu_s, res)
-            etcd_us = _per_request_us(res.server_cpu_s if path == "etcd" else etcd_cpu, res)
+            middle_cpu = None if path == "etcd" else res.server_cpu_s
+            etcd_cpu_s = res.server_cpu_s if path == "etcd" else etcd_cpu
+            parts = [middle_cpu or 0.0, etcd_cpu_s, res.tool_cpu_s]
+            together = None if None in parts else sum(c or 0.0 for c in parts)
+            middle = "—" if path == "etcd" else _per_request_us(middle_cpu, res)
             out.append(
                 f"| {wl.name} | {path} | {res.report.rps:,.0f} | {ratio} | "
-                f"{p.get('50', 0):.2f} | {p.get('99', 0):.2f} | {middle} | {etcd_us} |"
+                f"{p.get('50', 0):.2f} | {p.get('99', 0):.2f} | {middle} | "
+                f"{_per_request_us(etcd_cpu_s, res)} | {_per_request_us(res.tool_cpu_s, res)} | "
+                f"{_per_request_us(together, res)} | {_cores_busy(res)} |"
             )
     return "\n".join(out) + "\n"
 
