@@ -394,10 +394,16 @@ class Frames:
             return _TIMEOUT
 
     async def rest(self) -> AsyncIterator[cqs_pb2.ReEnqueueRequest]:
-        """The frames still to come, as they came (items one by one), until the
-        stream ends: what a front passes on to the queue's dispatching front."""
+        """The frames still to come, as they came (items one by one, a partial batch
+        once its flush is due), until the stream ends: what a front passes on to the
+        queue's dispatching front."""
         while True:
-            frame = await self.next(None)
+            since = self.partial_since
+            frame = await self.next(
+                None if since is None else max(0.0, since + FLUSH_SECONDS - self._clock())
+            )
+            if frame is _TIMEOUT:
+                frame = self.take_partial()
             if frame is _END:
                 return
             if isinstance(frame, list):

@@ -254,6 +254,77 @@ def _hop_metadata(call: Call) -> tuple[tuple[str, str], ...]:
     return (*((k, v) for k, v in call.invocation_metadata() if k != HOP), (HOP, "1"))
 
 
+RESEND_SECONDS = 5.0
+"""How long after its dispatching front could not be reached a ReEnqueue stream waits for
+the next one (a dead front's registry key lasts its session TTL, 2 s, then the new
+dispatcher rebuilds the queue) before it fails with the error it got."""
+REPLAY_FRAMES = 10_000
+"""The most frames of a ReEnqueue a front keeps to send again to a new dispatching front
+(about 1 MB of items); a longer stream whose dispatching front dies fails as it would
+embedded."""
+
+
+class PassedFrames:
+    """The frames of one ReEnqueue after its Header, as a front passes them on to the queue's
+    dispatching front, kept so that the stream can go again whole to the next one when that
+    front dies before the Footer went to it. Sending items again is safe: the dispatcher
+    merges a notification with a pending equal one, and without the Footer the original
+    is still held (until its visibility runs out).
+
+    One read of the client's stream is under way at a time, made when an attempt needs
+    the next frame, and the frame is kept before any attempt sends it: a failed attempt's
+    request iterator may still be waiting for a frame (grpc ends it at its next write),
+    and the frame it would have taken goes to the current attempt, in its place."""
+
+    def __init__(self, stream: Frames) -> None:
+        self._rest = stream.rest()
+        self._kept: list[cqs_pb2.ReEnqueueRequest] = []
+        self._first = 0
+        """Position in the stream of `_kept[0]` (frames are dropped once past the cap)."""
+        self._keeping = True
+        self._footer_sent = False
+        self._ended = False
+        self._reading: asyncio.Task[None] | None = None
+        self.attempts = 0
+
+    def may_send_again(self) -> bool:
+        return self._keeping and not self._footer_sent
+
+    async def _read(self) -> None:
+        try:
+            self._kept.append(await anext(self._rest))
+        except StopAsyncIteration:
+            self._ended = True
+        if self._keeping and len(self._kept) >= REPLAY_FRAMES:
+            self._keeping = False
+
+    async def attempt(self) -> AsyncIterator[cqs_pb2.ReEnqueueRequest]:
+        """The whole stream for a new attempt: the frames kept, then the client's next."""
+        self.attempts += 1
+        mine = self.attempts
+        at = self._first
+        while mine == self.attempts:
+            if at - self._first >= len(self._kept):
+                if self._ended:
+                    return
+                if self._reading is None or self._reading.done():
+                    self._reading = asyncio.ensure_future(self._read())
+                await asyncio.shield(self._reading)
+                continue
+            frame = self._kept[at - self._first]
+            at += 1
+            if frame.WhichOneof("payload") == "footer":
+                self._footer_sent = True
+            if not self._keeping:  # never sent again: drop what this attempt has read
+                del self._kept[: at - self._first]
+                self._first = at
+            yield frame
+
+    def close(self) -> None:
+        if self._reading is not None:
+            self._reading.cancel()
+
+
 class FrontCqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
     """Seed 000's four calls over etcd (module docstring)."""
 
@@ -433,34 +504,67 @@ class FrontCqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
         self, request_iterator: AsyncIterator[cqs_pb2.ReEnqueueRequest], context: Call
     ) -> cqs_pb2.ReEnqueueResponse:
         stream = Frames(request_iterator)
+        again: Frames | None = None
+        passed: PassedFrames | None = None
         try:
             name, token = await read_header(stream, context)
-            where = await self._locate(name, context)
-            if isinstance(where, aio.Channel):
-                return await self._forward_split(where, stream, name, token, context)
-            async with _answered(context):
-                if not where.holds(token):
-                    raise TokenNotHeld()
-
-                async def flush(items: list[cqs_pb2.SplitItem], extend: bool, commit: bool) -> int:
-                    until = wall_ms() + self.visibility_ms if extend else 0
-                    return await where.enqueue(token, items, until, commit)
-
-                return await split(stream, flush, self.visibility_ms, context)
-            raise AssertionError("unreachable")
+            passed = PassedFrames(stream)
+            give_up: float | None = None
+            while True:
+                where = await self._locate(name, context)
+                if isinstance(where, aio.Channel):
+                    reply = await self._forward_split(where, passed, name, token, context, give_up)
+                    if reply is not None:
+                        return reply
+                    give_up = give_up or asyncio.get_running_loop().time() + RESEND_SECONDS
+                    self.fronts.forget_holder(name)
+                    await asyncio.sleep(0.1)
+                    continue
+                frames = stream
+                if passed.attempts:  # a front that died had part of it: all of it again here
+                    frames = again = Frames(passed.attempt())
+                return await self._split_here(where, frames, token, context)
         finally:
             stream.close()
+            if again is not None:
+                again.close()
+            if passed is not None:
+                passed.close()
+
+    async def _split_here(
+        self, where: CqsDispatcher, frames: Frames, token: str, context: Call
+    ) -> cqs_pb2.ReEnqueueResponse:
+        """The stream's items and Footer, enqueued by this front's dispatcher."""
+        async with _answered(context):
+            if not where.holds(token):
+                raise TokenNotHeld()
+
+            async def flush(items: list[cqs_pb2.SplitItem], extend: bool, commit: bool) -> int:
+                until = wall_ms() + self.visibility_ms if extend else 0
+                return await where.enqueue(token, items, until, commit)
+
+            return await split(frames, flush, self.visibility_ms, context)
+        raise AssertionError("unreachable")
 
     async def _forward_split(
-        self, channel: aio.Channel, stream: Frames, name: str, token: str, context: Call
-    ) -> cqs_pb2.ReEnqueueResponse:
-        """The stream, passed on as it comes (its Header first) to the dispatching front."""
+        self,
+        channel: aio.Channel,
+        passed: PassedFrames,
+        name: str,
+        token: str,
+        context: Call,
+        give_up: float | None,
+    ) -> cqs_pb2.ReEnqueueResponse | None:
+        """The stream, passed on as it comes (its Header first) to the dispatching front;
+        None when that front could not be reached before the Footer went to it, the stream
+        may be sent again whole (`PassedFrames`) to the next one, and `give_up` (loop time,
+        set at the first such failure) has not passed."""
 
         async def frames() -> AsyncIterator[cqs_pb2.ReEnqueueRequest]:
             yield cqs_pb2.ReEnqueueRequest(
                 header=cqs_pb2.ReEnqueueRequest.Header(queue_name=name, ack_token=token)
             )
-            async for frame in stream.rest():
+            async for frame in passed.attempt():
                 yield frame  # no Footer at the end: the dispatching front answers CANCELLED
 
         re_enqueue = channel.stream_unary(
@@ -474,5 +578,10 @@ class FrontCqsService(cqs_pb2_grpc.DtoChangeQueueServiceServicer):
             )
             return reply
         except aio.AioRpcError as e:
-            await self._forwarded(name, context, e)
-        raise AssertionError("unreachable")
+            unreached = e.code() == grpc.StatusCode.UNAVAILABLE and not (
+                e.details() or ""
+            ).startswith("cqs:")
+            late = give_up is not None and asyncio.get_running_loop().time() >= give_up
+            if not unreached or late or not passed.may_send_again():
+                await self._forwarded(name, context, e)
+        return None

@@ -12,6 +12,7 @@ Every wait is bounded.
 from __future__ import annotations
 
 import json
+import queue as queues
 import shutil
 import threading
 import time
@@ -211,6 +212,74 @@ def test_re_enqueue_through_the_front_that_does_not_dispatch(
     bad += [cqs_pb2.ReEnqueueRequest(item=cqs_pb2.SplitItem(dto_type="esl.v1")), footer()]
     assert status_of(lambda: other.reenqueue_frames(bad)) == grpc.StatusCode.INVALID_ARGUMENT
     assert ids(dequeue_until(a, queue, 1)) == ["t/a/s/z/1"]
+
+
+LONG_VISIBILITY = 15.0
+"""The visibility timeout of fronts whose original hold must outlast a takeover (the dead
+front's session TTL, then the rebuild) with no one extending it."""
+
+
+def test_a_re_enqueue_goes_on_whole_when_the_dispatching_front_dies_mid_stream(
+    cluster: EtcdCluster, tmp_path: Path
+) -> None:
+    fronts = [
+        FrontProcess(
+            tmp_path / f"long{i}.etcd",
+            cluster.endpoints,
+            ["--cqs-visibility-timeout", f"{LONG_VISIBILITY}s"],
+        )
+        for i in (1, 2)
+    ]
+    try:
+        for proc in fronts:
+            proc.start()
+        a = cqs(fronts[0])
+        queue, dto = unique("resend"), unique("design.v1")
+        a.configure(queue, [dto])
+        a.publish(dto, "t/a/designs/9", SLA.format(5), tracking_id="job-9")
+        original = dequeue_until(a, queue, 1)[0]
+        holder = dispatcher_of(cluster, queue)
+        victim = next(f for f in fronts if holder.endswith(b":%d" % f.port))
+        survivor = cqs(next(f for f in fronts if f is not victim))
+        rows = f"/q/{queue}/n/".encode()
+        before = len(etcd_keys(cluster, rows))
+        first = [f"t/a/s/one/esls/{n}" for n in range(3)]
+        second = [f"t/a/s/two/esls/{n}" for n in range(2)]
+        sending: queues.Queue[cqs_pb2.ReEnqueueRequest | None] = queues.Queue()
+
+        def requests() -> Iterator[cqs_pb2.ReEnqueueRequest]:
+            while (frame := sending.get(timeout=WAIT)) is not None:
+                yield frame
+
+        sending.put(header(queue, original.ack_token))
+        for dto_id in first:
+            sending.put(cqs_pb2.ReEnqueueRequest(item=item("esl.v1", dto_id=dto_id)))
+        # through the front that does not dispatch, which passes it on
+        call = survivor.stub.ReEnqueue.future(requests(), timeout=3 * WAIT)
+        wait_for(
+            "the first items written by the dispatching front",
+            lambda: len(etcd_keys(cluster, rows)) >= before + len(first),
+        )
+        victim.kill()
+        for dto_id in second:
+            sending.put(cqs_pb2.ReEnqueueRequest(item=item("esl.v1", dto_id=dto_id)))
+        sending.put(footer())
+        sending.put(None)
+        reply = call.result(timeout=3 * WAIT)
+        assert reply.acknowledged and reply.items_enqueued == len(first) + len(second)
+        assert dispatcher_of(cluster, queue) != holder
+        # each item once (the first ones, sent again, merged with themselves), the
+        # original acknowledged
+        got = dequeue_until(survivor, queue, 5, max_notifications=10, prefix_depth=1)
+        assert sorted(ids(got)) == sorted(first + second)
+        assert survivor.dequeue(queue, wait_ms=500, max_notifications=10) == []
+        assert survivor.token_status(queue, original.ack_token) == (
+            grpc.StatusCode.FAILED_PRECONDITION
+        )
+    finally:
+        for proc in fronts:
+            if proc.proc is not None and proc.proc.poll() is None:
+                proc.stop()
 
 
 def test_unknown_queue_and_bad_requests_are_refused_as_embedded(
