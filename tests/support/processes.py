@@ -17,7 +17,8 @@ from pathlib import Path
 
 import grpc
 
-from benchmarks.servers import free_port
+# Re-exported: the tests take free_port from here, beside the process helpers.
+from benchmarks.servers import free_port as free_port
 from etcdserverpb import rpc_pb2, rpc_pb2_grpc
 
 READY_TIMEOUT = 30.0
