@@ -40,7 +40,8 @@ def put_and_get(endpoint: str, key: bytes, value: bytes | None) -> rpc_pb2.Range
         kv = rpc_pb2_grpc.KVStub(ch)
         if value is not None:
             kv.Put(rpc_pb2.PutRequest(key=key, value=value), timeout=10)
-        return kv.Range(rpc_pb2.RangeRequest(key=key), timeout=10)
+        response: rpc_pb2.RangeResponse = kv.Range(rpc_pb2.RangeRequest(key=key), timeout=10)
+        return response
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -25,7 +25,9 @@ class WatchClient:
 
     def __init__(self, channel: grpc.Channel) -> None:
         self._requests: queue.Queue[rpc_pb2.WatchRequest | None] = queue.Queue()
-        self.responses = rpc_pb2_grpc.WatchStub(channel).Watch(self._iter(), timeout=120)
+        self.responses: Iterator[rpc_pb2.WatchResponse] = rpc_pb2_grpc.WatchStub(channel).Watch(
+            self._iter(), timeout=120
+        )
 
     def _iter(self) -> Iterator[rpc_pb2.WatchRequest]:
         while True:
