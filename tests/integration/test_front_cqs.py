@@ -219,9 +219,11 @@ def test_unknown_queue_and_bad_requests_are_refused_as_embedded(
     a = cqs(fronts[0])
     assert status_of(lambda: a.dequeue(unique("nope"))) == grpc.StatusCode.NOT_FOUND
     for bad in ("", "a/b", "dto:x"):
-        assert status_of(lambda bad=bad: a.configure(bad, ["x"])) == (
-            grpc.StatusCode.INVALID_ARGUMENT
-        )
+
+        def configure(name: str = bad) -> None:
+            a.configure(name, ["x"])
+
+        assert status_of(configure) == grpc.StatusCode.INVALID_ARGUMENT
     queue, dto = unique("bad"), unique("t.v1")
     a.configure(queue, [dto])
     assert status_of(lambda: a.dequeue(queue, max_notifications=0)) == (
