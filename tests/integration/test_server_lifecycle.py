@@ -19,7 +19,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import hpack
@@ -175,6 +175,13 @@ def metric(endpoint: str, name: str, method: str) -> float:
     return total
 
 
+class CallFuture(Protocol):
+    """A unary call's future as grpc returns it. Its exception() takes a timeout,
+    which grpc-stubs' grpc.Future leaves out."""
+
+    def exception(self, timeout: float | None = None) -> BaseException | None: ...
+
+
 class OpenCalls:
     """A watch, a LeaseKeepAlive stream and a CQS BatchDequeue long poll, held
     open on one server by threads, each recording how it ended."""
@@ -188,7 +195,7 @@ class OpenCalls:
         self._watching = threading.Event()
         self._kept_alive = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._poll: grpc.Future | None = None
+        self._poll: CallFuture | None = None
 
     def _watch(self) -> None:
         def requests() -> Iterator[rpc_pb2.WatchRequest]:
