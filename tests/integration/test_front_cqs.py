@@ -428,7 +428,8 @@ def test_nothing_published_is_lost_when_etcds_leader_and_the_dispatching_front_d
         for stop in stops.values():
             stop.set()
         publisher.stop()
-        if cluster.members[leader].proc is None or cluster.members[leader].proc.poll() is not None:
+        member = cluster.members[leader]
+        if member.proc is None or member.proc.poll() is not None:
             cluster.restart(leader)
     assert ledger.violations == []
 

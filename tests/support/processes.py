@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Self
 
 import grpc
 
@@ -154,7 +155,7 @@ class ServerProcess:
             *self.extra_args,
         ]
 
-    def start(self, wait: bool = True) -> ServerProcess:
+    def start(self, wait: bool = True) -> Self:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.command(),
