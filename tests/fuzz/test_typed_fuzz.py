@@ -184,7 +184,11 @@ def test_cqs_flow_with_fuzzed_payloads(fuzz_channel: grpc.Channel) -> None:
         for i, (note, fix) in enumerate(notes):
             value = _publication(note, fix).SerializeToString()
             key = b"/q/dto:%s/p/k%d" % (CQS_TYPE.encode(), i)
-            checked("Put", lambda k=key, v=value: kv.Put(rpc_pb2.PutRequest(key=k, value=v)))
+
+            def put(k: bytes = key, v: bytes = value) -> object:
+                return kv.Put(rpc_pb2.PutRequest(key=k, value=v))
+
+            checked("Put", put)
             CASES["cqs-flow/Put"] += 1
         view = rpc_pb2.RangeRequest(
             key=b"/q/%s/" % CQS_QUEUE.encode(), range_end=b"/q/%s0" % CQS_QUEUE.encode()

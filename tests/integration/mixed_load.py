@@ -30,6 +30,7 @@ import os
 import random
 import sys
 import uuid
+from collections.abc import AsyncIterator
 from typing import IO
 
 import grpc
@@ -147,7 +148,7 @@ async def run(endpoint: str, record_path: str, tag: str, max_ops: int) -> None:
                     rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=watch_key))
                 )
 
-                async def request_iter():  # type: ignore[no-untyped-def]
+                async def request_iter() -> AsyncIterator[rpc_pb2.WatchRequest]:
                     while True:
                         yield await requests.get()
 

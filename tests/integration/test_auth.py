@@ -103,11 +103,11 @@ def login(endpoint: str, name: str, password: str) -> Client:
     return Client(endpoint, token)
 
 
-def status(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
+def status(call: Callable[[], object]) -> tuple[grpc.StatusCode, str | None]:
     try:
         call()
     except grpc.RpcError as e:
-        return e.code(), e.details()  # type: ignore[attr-defined]
+        return e.code(), e.details()
     return grpc.StatusCode.OK, ""
 
 
@@ -119,7 +119,7 @@ def prefix_end(prefix: bytes) -> bytes:
     return prefix[:-1] + bytes([prefix[-1] + 1])
 
 
-def perm(key: bytes, end: bytes, kind: int) -> auth_pb2.Permission:
+def perm(key: bytes, end: bytes, kind: auth_pb2.Permission.Type) -> auth_pb2.Permission:
     return auth_pb2.Permission(key=key, range_end=end, permType=kind)
 
 
@@ -434,7 +434,7 @@ def test_auth_matrix(server: ServerProcess) -> None:
         )
         return c.election.Resign(v3election_pb2.ResignRequest(leader=won.leader), timeout=WAIT)
 
-    families: dict[str, Callable[[Client], tuple[grpc.StatusCode, str]]] = {
+    families: dict[str, Callable[[Client], tuple[grpc.StatusCode, str | None]]] = {
         "Range (READ app/ prefix)": lambda c: status(
             lambda: c.kv.Range(
                 rpc_pb2.RangeRequest(key=b"app/", range_end=prefix_end(b"app/")), timeout=WAIT

@@ -34,7 +34,7 @@ import grpc
 import psutil
 import pytest
 
-from etcdserverpb import rpc_pb2, rpc_pb2_grpc
+from etcdserverpb import kv_pb2, rpc_pb2, rpc_pb2_grpc
 from tests.integration.cqs_support import Cqs, ReEnqueueRequest, header, item, publication
 from tests.support.processes import REPO_ROOT, ServerProcess
 
@@ -122,7 +122,7 @@ def drop_consumer(endpoint: str, kv: rpc_pb2_grpc.KVStub, acked: set[str]) -> No
     s = Stream(rpc_pb2_grpc.WatchStub(ch).Watch)
     key = f"/q/{QUEUE}/c/{uuid.uuid4()}".encode()
     s.requests.put(rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=key)))
-    events = []
+    events: list[kv_pb2.Event] = []
     while not events:
         events = list(s.next().events)  # type: ignore[attr-defined]
     first = events[0].kv.key

@@ -67,7 +67,7 @@ def name(stem: str) -> str:
 
 async def take(consumer: Consumer, n: int, timeout: float = WAIT) -> list[Message]:
     """The next `n` deliveries (failing the test if they do not come in time)."""
-    out = []
+    out: list[Message] = []
     deadline = time.monotonic() + timeout
     while len(out) < n:
         m = await consumer.get(max(0.0, deadline - time.monotonic()))
@@ -246,8 +246,8 @@ async def test_consumer_and_producer_go_on_across_a_leader_failover(cluster: Clu
         async with client.consumer(queue) as consumer:
             assert consumer.endpoint == leader.endpoint
             await producer.send_batch([b"before-%d" % i for i in range(5)])
-            for m in await take(consumer, 5):
-                assert await m.ack()
+            for before in await take(consumer, 5):
+                assert await before.ack()
             await producer.send(b"held")
             held = await take(consumer, 1)
             leader.kill()
@@ -344,8 +344,8 @@ class Unavailable(grpc.RpcError):
 async def test_cqs_batch_acknowledges_by_the_seed_rule(server: ServerProcess, cqs: Cqs) -> None:
     queue, dto = unique("renderer"), unique("storeesl.v1")
     cqs.configure(queue, [dto])
-    for i, outcome in enumerate(["ok", "transient", "permanent"]):
-        cqs.publish(dto, f"t/a/s/b/esls/{outcome}", f"2026-06-01T10:00:0{i}Z")
+    for i, kind in enumerate(["ok", "transient", "permanent"]):
+        cqs.publish(dto, f"t/a/s/b/esls/{kind}", f"2026-06-01T10:00:0{i}Z")
     parked: list[str] = []
 
     def handler(n: cqs_pb2.DtoChangeNotification) -> None:
@@ -401,7 +401,7 @@ async def test_cqs_reenqueue_sends_the_footer_only_on_a_clean_exit(
         with pytest.raises(grpc.RpcError) as refused:
             async with consumer.re_enqueue(original) as late:
                 await late.add_dto("eslimage.v1", "t/a/s/s9/esls/1")
-        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         items = await consumer.dequeue(max_notifications=10, prefix_depth=2, wait_ms=0)
         assert sorted(n.parent_id for n in items) == [f"t/a/s/s{i}/esls" for i in (1, 2, 3)]
         assert {n.tracking_id for n in items} == {"trk"}  # inherited from the original

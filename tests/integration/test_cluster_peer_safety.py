@@ -144,7 +144,7 @@ def test_a_snapshot_that_is_not_a_valid_one_is_refused_and_nothing_runs(
         kv.Put(rpc_pb2.PutRequest(key=b"/safety/k", value=b"after"), timeout=5)
         got = kv.Range(rpc_pb2.RangeRequest(key=b"/safety/k"), timeout=5)
     assert got.kvs[0].value == b"after"
-    hashes = set()
+    hashes: set[int] = set()
     deadline = time.monotonic() + WAIT
     while len(hashes) != 1:
         assert time.monotonic() < deadline, f"members differ: {hashes}"

@@ -105,7 +105,10 @@ class Consumer:
 
 def put(member: Member, key: bytes, value: bytes) -> rpc_pb2.PutResponse:
     with grpc.insecure_channel(member.endpoint) as ch:
-        return rpc_pb2_grpc.KVStub(ch).Put(rpc_pb2.PutRequest(key=key, value=value), timeout=5)
+        response: rpc_pb2.PutResponse = rpc_pb2_grpc.KVStub(ch).Put(
+            rpc_pb2.PutRequest(key=key, value=value), timeout=5
+        )
+        return response
 
 
 def test_producer_dispatcher_and_consumer_on_three_members(cluster: Cluster) -> None:

@@ -343,7 +343,7 @@ class Consumer:
         self.sessions: list[Session] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()  # guards _stop against a new stream
-        self._stream: grpc.Future | None = None
+        self._stream: grpc.Future[rpc_pb2.WatchResponse] | None = None
         self._work: queue.Queue[Hold | None] = queue.Queue()
         self._watcher = threading.Thread(target=self._watch_loop, daemon=True)
         self._worker = threading.Thread(target=self._work_loop, daemon=True)

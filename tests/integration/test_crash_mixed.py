@@ -105,7 +105,10 @@ class Acknowledged:
 
 def _range(kv: rpc_pb2_grpc.KVStub, prefix: bytes) -> rpc_pb2.RangeResponse:
     end = prefix[:-1] + bytes([prefix[-1] + 1])
-    return kv.Range(rpc_pb2.RangeRequest(key=prefix, range_end=end), timeout=30)
+    response: rpc_pb2.RangeResponse = kv.Range(
+        rpc_pb2.RangeRequest(key=prefix, range_end=end), timeout=30
+    )
+    return response
 
 
 def check(endpoint: str, ack: Acknowledged, seed: int) -> int:

@@ -75,7 +75,8 @@ def kv(front: FrontProcess) -> rpc_pb2_grpc.KVStub:
 
 def put(front: FrontProcess, key: bytes, value: bytes, lease: int = 0) -> rpc_pb2.PutResponse:
     request = rpc_pb2.PutRequest(key=key, value=value, lease=lease)
-    return kv(front).Put(request, timeout=CALL_TIMEOUT)
+    response: rpc_pb2.PutResponse = kv(front).Put(request, timeout=CALL_TIMEOUT)
+    return response
 
 
 def get(front: FrontProcess, key: bytes) -> bytes | None:

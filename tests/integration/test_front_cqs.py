@@ -288,9 +288,11 @@ def test_unknown_queue_and_bad_requests_are_refused_as_embedded(
     a = cqs(fronts[0])
     assert status_of(lambda: a.dequeue(unique("nope"))) == grpc.StatusCode.NOT_FOUND
     for bad in ("", "a/b", "dto:x"):
-        assert status_of(lambda bad=bad: a.configure(bad, ["x"])) == (
-            grpc.StatusCode.INVALID_ARGUMENT
-        )
+
+        def configure(name: str = bad) -> None:
+            a.configure(name, ["x"])
+
+        assert status_of(configure) == grpc.StatusCode.INVALID_ARGUMENT
     queue, dto = unique("bad"), unique("t.v1")
     a.configure(queue, [dto])
     assert status_of(lambda: a.dequeue(queue, max_notifications=0)) == (
@@ -495,7 +497,8 @@ def test_nothing_published_is_lost_when_etcds_leader_and_the_dispatching_front_d
         for stop in stops.values():
             stop.set()
         publisher.stop()
-        if cluster.members[leader].proc is None or cluster.members[leader].proc.poll() is not None:
+        member = cluster.members[leader]
+        if member.proc is None or member.proc.poll() is not None:
             cluster.restart(leader)
     assert ledger.violations == []
 

@@ -645,7 +645,8 @@ def test_nothing_acknowledged_is_lost_when_etcds_leader_and_the_dispatching_fron
         on_a.stop()
         on_b.stop()
         producer_front.stop()
-        if cluster.members[leader].proc is None or cluster.members[leader].proc.poll() is not None:
+        member = cluster.members[leader]
+        if member.proc is None or member.proc.poll() is not None:
             cluster.restart(leader)
     assert ledger.violations == []
 

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import psutil  # type: ignore[import-untyped]
+import psutil
 import pytest
 
 from etcdserverpb import rpc_pb2, rpc_pb2_grpc

@@ -94,7 +94,8 @@ def test_grpc_core_lines_are_records_in_our_format(
     assert all(str(r["source"]).rsplit(":", 1)[1].isdigit() for r in core)  # file.cc:LINE
     # its warning that debug verbosity is not for production, at its own level
     assert any(r["level"] == "warning" and "DEBUG" in str(r["msg"]) for r in core)
-    assert records[-1]["msg"].startswith("stopped name=")  # type: ignore[union-attr]
+    last = records[-1]["msg"]
+    assert isinstance(last, str) and last.startswith("stopped name="), last
 
 
 def test_a_grpc_core_error_is_a_record_too(tmp_path: Path) -> None:

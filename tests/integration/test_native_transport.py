@@ -159,10 +159,12 @@ async def channel(
     try:
         yield ch
     finally:
-        await ch.close()
+        await ch.close(None)  # no grace: grpc's default, which grpc-stubs does not declare
 
 
-def unary(ch: grpc.aio.Channel, name: str) -> grpc.aio.UnaryUnaryMultiCallable:
+def unary(
+    ch: grpc.aio.Channel, name: str
+) -> grpc.aio.UnaryUnaryMultiCallable[rpc_pb2.RangeRequest, rpc_pb2.RangeResponse]:
     return ch.unary_unary(
         path(name),
         request_serializer=RangeRequest.SerializeToString,
@@ -170,7 +172,9 @@ def unary(ch: grpc.aio.Channel, name: str) -> grpc.aio.UnaryUnaryMultiCallable:
     )
 
 
-def unary_stream(ch: grpc.aio.Channel, name: str) -> grpc.aio.UnaryStreamMultiCallable:
+def unary_stream(
+    ch: grpc.aio.Channel, name: str
+) -> grpc.aio.UnaryStreamMultiCallable[rpc_pb2.RangeRequest, rpc_pb2.RangeResponse]:
     return ch.unary_stream(
         path(name),
         request_serializer=RangeRequest.SerializeToString,
@@ -178,7 +182,9 @@ def unary_stream(ch: grpc.aio.Channel, name: str) -> grpc.aio.UnaryStreamMultiCa
     )
 
 
-def stream_unary(ch: grpc.aio.Channel, name: str) -> grpc.aio.StreamUnaryMultiCallable:
+def stream_unary(
+    ch: grpc.aio.Channel, name: str
+) -> grpc.aio.StreamUnaryMultiCallable[rpc_pb2.RangeRequest, rpc_pb2.RangeResponse]:
     return ch.stream_unary(
         path(name),
         request_serializer=RangeRequest.SerializeToString,
@@ -186,7 +192,9 @@ def stream_unary(ch: grpc.aio.Channel, name: str) -> grpc.aio.StreamUnaryMultiCa
     )
 
 
-def stream_stream(ch: grpc.aio.Channel, name: str) -> grpc.aio.StreamStreamMultiCallable:
+def stream_stream(
+    ch: grpc.aio.Channel, name: str
+) -> grpc.aio.StreamStreamMultiCallable[rpc_pb2.RangeRequest, rpc_pb2.RangeResponse]:
     return ch.stream_stream(
         path(name),
         request_serializer=RangeRequest.SerializeToString,
@@ -537,13 +545,15 @@ async def test_client_stream_and_bidi_stream_echo() -> None:
         assert response.kvs[0].key == b",".join(b"%d" % i for i in range(50))
 
         # ping-pong: each answer comes before the next request is sent
-        bidi = stream_stream(ch, "Echo")(timeout=WAIT)
+        bidi = stream_stream(ch, "Echo")(None, timeout=WAIT)
         for i in range(20):
             await asyncio.wait_for(bidi.write(RangeRequest(key=b"m%d" % i)), WAIT)
             answer = await asyncio.wait_for(bidi.read(), WAIT)
+            assert isinstance(answer, RangeResponse), answer  # not EOF
             assert answer.kvs[0].key == b"m%d" % i
         await bidi.done_writing()
-        assert await asyncio.wait_for(bidi.read(), WAIT) is grpc.aio.EOF
+        # grpc-stubs has no grpc.aio.EOF (grpc has: the end of a stream's reads)
+        assert await asyncio.wait_for(bidi.read(), WAIT) is grpc.aio.EOF  # type: ignore[attr-defined]
         assert await bidi.code() == grpc.StatusCode.OK
 
 
@@ -829,9 +839,11 @@ async def test_a_stop_ends_waiting_calls_at_once_and_gives_the_others_the_grace(
         method("Slow", slow),
     )
     async with serving(*methods, stopped_message="test: stopped") as served, channel(served) as ch:
-        stream = stream_stream(ch, "Watch")(timeout=WAIT)
+        stream = stream_stream(ch, "Watch")(None, timeout=WAIT)
         await stream.write(RangeRequest())
-        assert (await asyncio.wait_for(stream.read(), WAIT)).count == 1
+        first = await asyncio.wait_for(stream.read(), WAIT)
+        assert isinstance(first, RangeResponse), first  # not EOF
+        assert first.count == 1
         polled = asyncio.ensure_future(unary(ch, "Poll")(RangeRequest(), timeout=WAIT))
         in_flight = asyncio.ensure_future(unary(ch, "Slow")(RangeRequest(), timeout=WAIT))
         await asyncio.wait_for(poll.started.wait(), WAIT)

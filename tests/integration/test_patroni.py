@@ -35,10 +35,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 import pytest
@@ -308,7 +308,12 @@ def kill_pids(processes: list[psutil.Process]) -> None:
     psutil.wait_procs(processes, timeout=STOP_TIMEOUT)
 
 
-def wait_for(what: str, check: Any, timeout: float, nodes: list[PatroniNode]) -> Any:
+T = TypeVar("T")
+
+
+def wait_for(
+    what: str, check: Callable[[], T | None], timeout: float, nodes: list[PatroniNode]
+) -> T:
     """Poll `check()` until it returns something truthy, bounded."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

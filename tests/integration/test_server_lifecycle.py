@@ -19,7 +19,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import hpack
@@ -40,7 +40,8 @@ def put_and_get(endpoint: str, key: bytes, value: bytes | None) -> rpc_pb2.Range
         kv = rpc_pb2_grpc.KVStub(ch)
         if value is not None:
             kv.Put(rpc_pb2.PutRequest(key=key, value=value), timeout=10)
-        return kv.Range(rpc_pb2.RangeRequest(key=key), timeout=10)
+        response: rpc_pb2.RangeResponse = kv.Range(rpc_pb2.RangeRequest(key=key), timeout=10)
+        return response
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -174,6 +175,13 @@ def metric(endpoint: str, name: str, method: str) -> float:
     return total
 
 
+class CallFuture(Protocol):
+    """A unary call's future as grpc returns it. Its exception() takes a timeout,
+    which grpc-stubs' grpc.Future leaves out."""
+
+    def exception(self, timeout: float | None = None) -> BaseException | None: ...
+
+
 class OpenCalls:
     """A watch, a LeaseKeepAlive stream and a CQS BatchDequeue long poll, held
     open on one server by threads, each recording how it ended."""
@@ -187,7 +195,7 @@ class OpenCalls:
         self._watching = threading.Event()
         self._kept_alive = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._poll: grpc.Future | None = None
+        self._poll: CallFuture | None = None
 
     def _watch(self) -> None:
         def requests() -> Iterator[rpc_pb2.WatchRequest]:

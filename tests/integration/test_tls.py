@@ -159,7 +159,9 @@ async def _ask_name(pki: Pki, cert_auth: bool, cert: CertFiles | None) -> bytes:
     await server.start()
     try:
         async with aio.secure_channel(f"127.0.0.1:{port}", pki.credentials(cert)) as ch:
-            call = ch.unary_unary(f"/{_SERVICE}/WhoAmI")
+            call = ch.unary_unary(
+                f"/{_SERVICE}/WhoAmI", request_serializer=None, response_deserializer=None
+            )
             answer: bytes = await call(b"", timeout=CALL_TIMEOUT)
             return answer
     finally:

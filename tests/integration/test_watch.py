@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 import psutil
@@ -20,12 +21,20 @@ from tests.support.processes import ServerProcess
 pytestmark = pytest.mark.integration
 
 
+class WatchCall(Protocol):
+    """A Watch call as grpc returns it: an iterator of responses that can be cancelled."""
+
+    def __iter__(self) -> Iterator[rpc_pb2.WatchResponse]: ...
+    def __next__(self) -> rpc_pb2.WatchResponse: ...
+    def cancel(self) -> bool: ...
+
+
 class WatchClient:
     """One Watch stream; requests go in through a queue, responses are read on demand."""
 
     def __init__(self, channel: grpc.Channel) -> None:
         self._requests: queue.Queue[rpc_pb2.WatchRequest | None] = queue.Queue()
-        self.responses = rpc_pb2_grpc.WatchStub(channel).Watch(self._iter(), timeout=120)
+        self.responses: WatchCall = rpc_pb2_grpc.WatchStub(channel).Watch(self._iter(), timeout=120)
 
     def _iter(self) -> Iterator[rpc_pb2.WatchRequest]:
         while True:

@@ -70,7 +70,10 @@ class Member(ServerProcess):
 
     def status(self, timeout: float = 2.0) -> rpc_pb2.StatusResponse:
         with self.channel() as ch:
-            return rpc_pb2_grpc.MaintenanceStub(ch).Status(rpc_pb2.StatusRequest(), timeout=timeout)
+            response: rpc_pb2.StatusResponse = rpc_pb2_grpc.MaintenanceStub(ch).Status(
+                rpc_pb2.StatusRequest(), timeout=timeout
+            )
+            return response
 
 
 class Cluster:

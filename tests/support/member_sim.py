@@ -77,14 +77,15 @@ import shutil
 import struct
 import tempfile
 from collections import Counter, deque
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Generator, Iterable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from etcdserverpb import internal_pb2, peer_pb2, rpc_pb2
 from queue_server.apply import Applier, ApplyFailed, Effects, StateMachine
 from queue_server.errors import EtcdError
+from queue_server.proposals import ApplyResult
 from queue_server.replication.driver import ClusterLog
 from queue_server.replication.peers import PeerUnavailable
 from queue_server.replication.storage import (
@@ -100,6 +101,7 @@ from raft.messages import Entry
 from tests.support.linearizability import Op, linearizable
 
 Command = internal_pb2.Command
+T = TypeVar("T")
 
 # -- virtual time -------------------------------------------------------------------
 
@@ -161,6 +163,11 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     loop would otherwise sleep, straight to the next timer. Tasks may be given an
     owner (`OWNER`, a context variable), so a crash can cancel a member's tasks."""
 
+    # BaseEventLoop's own, which typeshed leaves out: its timer heap and its clock
+    # resolution (read by _VirtualSelector.select).
+    _scheduled: list[asyncio.TimerHandle]
+    _clock_resolution: float
+
     def __init__(self) -> None:
         self.now = 0.0
         super().__init__(_VirtualSelector(self))
@@ -186,10 +193,10 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def _make_task(
         self,
         loop: asyncio.AbstractEventLoop,
-        coro: Coroutine[Any, Any, Any],
+        coro: Generator[Any, None, T] | Coroutine[Any, Any, T],
         context: contextvars.Context | None = None,
-    ) -> asyncio.Task[Any]:
-        task: asyncio.Task[Any] = asyncio.Task(coro, loop=loop, context=context)
+    ) -> asyncio.Task[T]:
+        task: asyncio.Task[T] = asyncio.Task(coro, loop=loop, context=context)
         owner = context.get(OWNER) if context is not None else OWNER.get()
         if owner is not None:
             tasks = self.owned.setdefault(owner, {})
@@ -1306,15 +1313,18 @@ class MemberSim:
                 return
             marker += 1
             command = Command(put=rpc_pb2.PutRequest(key=b"settle", value=b"%d" % marker))
-            outcome, result = await self._on_member(
-                live[marker % len(live)], lambda log, c=command: log.propose(c)
-            )
+
+            def propose(log: ClusterLog, c: Command = command) -> Coroutine[Any, Any, ApplyResult]:
+                return log.propose(c)
+
+            outcome, result = await self._on_member(live[marker % len(live)], propose)
             if outcome == "ok":
                 revision: int = result.header.revision
-                if await self._until(
-                    lambda r=revision: all(self._state_of(i).store.revision >= r for i in live),
-                    10.0,
-                ):
+
+                def settled(r: int = revision) -> bool:
+                    return all(self._state_of(i).store.revision >= r for i in live)
+
+                if await self._until(settled, 10.0):
                     break
             else:
                 await asyncio.sleep(0.5)

@@ -14,10 +14,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Self
 
 import grpc
 
-from benchmarks.servers import free_port
+# Re-exported: the tests take free_port from here, beside the process helpers.
+from benchmarks.servers import free_port as free_port
 from etcdserverpb import rpc_pb2, rpc_pb2_grpc
 
 READY_TIMEOUT = 30.0
@@ -153,7 +155,7 @@ class ServerProcess:
             *self.extra_args,
         ]
 
-    def start(self, wait: bool = True) -> ServerProcess:
+    def start(self, wait: bool = True) -> Self:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.command(),

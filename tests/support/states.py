@@ -91,7 +91,8 @@ def rich_machine() -> StateMachine:
     b.auth(role_add=rpc_pb2.AuthRoleAddRequest(name="reader"))
     b.auth(
         role_grant_permission=rpc_pb2.AuthRoleGrantPermissionRequest(
-            name="reader", perm=auth_pb2.Permission(key=b"a", range_end=b"b", permType=0)
+            name="reader",
+            perm=auth_pb2.Permission(key=b"a", range_end=b"b", permType=auth_pb2.Permission.READ),
         )
     )
     b.auth(user_add=rpc_pb2.AuthUserAddRequest(name="root", hashedPassword=FAKE_HASH))

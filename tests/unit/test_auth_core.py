@@ -53,7 +53,7 @@ def user_add(name: str, password: str = "pw", no_password: bool = False) -> dict
     return {"user_add": req}
 
 
-def grant(role: str, key: bytes, end: bytes, perm: int) -> dict[str, object]:
+def grant(role: str, key: bytes, end: bytes, perm: auth_pb2.Permission.Type) -> dict[str, object]:
     return {
         "role_grant_permission": rpc_pb2.AuthRoleGrantPermissionRequest(
             name=role, perm=auth_pb2.Permission(key=key, range_end=end, permType=perm)

@@ -37,7 +37,7 @@ def build(buckets: dict[bytes, list[tuple[bytes, bytes]]]) -> bytes:
     return data
 
 
-def page_header(data: bytes, pgid: int) -> tuple[int, int, int, int]:
+def page_header(data: bytes | bytearray, pgid: int) -> tuple[int, int, int, int]:
     return struct.unpack_from("<QHHI", data, pgid * PAGE)
 
 

@@ -870,7 +870,12 @@ def test_counting_the_message_keys_counts_without_building_them(
     m.dequeue("r", "a-", max=1, depth=-1)
     built: list[int] = []
     real = keys.message_key
-    monkeypatch.setattr(keys, "message_key", lambda *a: built.append(1) or real(*a))
+
+    def counting(spelling: bytes, name: bytes, idx: int, key: bytes) -> bytes:
+        built.append(1)
+        return real(spelling, name, idx, key)
+
+    monkeypatch.setattr(keys, "message_key", counting)
     counted = m.sm.read_range(
         rpc_pb2.RangeRequest(key=b"/q/r/0", range_end=b"/q/r/:", count_only=True)
     )

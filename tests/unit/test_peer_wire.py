@@ -22,12 +22,8 @@ from benchmarks.servers import free_port
 from etcdserverpb import peer_pb2
 from queue_server.config import TLSFiles
 from queue_server.replication import peer_wire
-from queue_server.replication.peer_wire import (
-    MAX_QUEUED,
-    WIRE_VERSION,
-    PeerTransport,
-    PeerUnavailable,
-)
+from queue_server.replication.peer_wire import MAX_QUEUED, WIRE_VERSION, PeerTransport
+from queue_server.replication.peers import PeerUnavailable
 from queue_server.tls import peer_client_ssl_context, peer_server_ssl_context
 from tests.support.tls import Pki, make_pki
 

@@ -170,17 +170,17 @@ def test_change_queue_wire_numbers() -> None:
         "alias_name": 7,
     }
     assert [f.name for f in note.oneofs_by_name["urn"].fields] == ["dto_id", "parent_id"]
-    assert note.fields_by_name["sla_timestamp"].message_type.full_name == (
-        "google.protobuf.Timestamp"
-    )
+    sla_timestamp = note.fields_by_name["sla_timestamp"].message_type
+    assert sla_timestamp is not None
+    assert sla_timestamp.full_name == "google.protobuf.Timestamp"
     assert note.fields_by_name["alias_name"].containing_oneof is None
 
     request = cqs_pb2.ReEnqueueRequest.DESCRIPTOR
     payload = {f.name: f.number for f in request.oneofs_by_name["payload"].fields}
     assert payload == {"header": 1, "item": 2, "footer": 3}
-    assert request.fields_by_name["item"].message_type.full_name == (
-        "dtoflow.changequeue.v1.SplitItem"
-    )
+    item = request.fields_by_name["item"].message_type
+    assert item is not None
+    assert item.full_name == "dtoflow.changequeue.v1.SplitItem"
     assert _numbers(cqs_pb2.ReEnqueueRequest.Header) == {"queue_name": 1, "ack_token": 2}
     assert _numbers(cqs_pb2.ReEnqueueRequest.Footer) == {}
 

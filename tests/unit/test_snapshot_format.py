@@ -63,7 +63,7 @@ def framed(records: list[bytes]) -> bytes:
 
 def raw_records(data: bytes) -> list[bytes]:
     """The records of a valid QSNAP2 file, as bytes."""
-    out = []
+    out: list[bytes] = []
     at = len(snapshot.MAGIC)
     while True:
         (n,) = struct.unpack_from("<I", data, at)
@@ -98,7 +98,8 @@ def test_a_real_state_round_trips_exactly_with_its_raft_position(tmp_path: Path)
     assert again.auth.enabled and again.auth.users["root"].is_root
     assert again.queues.queues[b"jobs"].holder and again.queues.queues[b"jobs"].pending
     tree = again.cqs.queues["r"].tree
-    assert list(tree.pending()) and list(tree.in_flight_records())
+    assert list(tree.pending())
+    assert list(tree.in_flight_records())
     assert again.lessor.leases[0x1234].keys == {b"leased"}
     assert again.alarms.export_state() and len(again.members) == 2
     assert again.store.compact_revision == 2
@@ -317,7 +318,16 @@ def _then(**record: Any) -> Callable[[Any], list[bytes]]:
     return change
 
 
-_KIND_OF = {f.message_type.name: f.name for f in pb.Record.DESCRIPTOR.fields}
+def _record_kinds() -> dict[str, str]:
+    """Each Record body's message name -> its field name in the oneof."""
+    kinds: dict[str, str] = {}
+    for f in pb.Record.DESCRIPTOR.fields:
+        assert f.message_type is not None, f.name  # every body is a message
+        kinds[f.message_type.name] = f.name
+    return kinds
+
+
+_KIND_OF = _record_kinds()
 
 
 def _header_with(extra: bytes, before: bool = False) -> Callable[[pb.Header], list[bytes]]:

@@ -302,7 +302,7 @@ def test_wal_full_disk_cuts_the_partial_write(tmp_path: Path) -> None:
     list(wal.replay(0))
     wal.open_for_append()
     disk = SmallDisk(40)
-    wal.write_fd = disk.write  # type: ignore[method-assign]
+    wal.write_fd = disk.write
     wal.append([(1, b"one")])
     with pytest.raises(WALFullError):
         wal.append([(2, b"two" * 10)])  # 9 of its bytes fit
@@ -321,7 +321,7 @@ def test_local_log_full_disk_refuses_with_nospace_then_recovers(tmp_path: Path) 
         log.recover()
         log.on_no_space = lambda: alarms.append(sm.applied_index)
         disk = SmallDisk(2000)
-        log.wal.write_fd = disk.write  # type: ignore[method-assign]
+        log.wal.write_fd = disk.write
         ok = 0
         for i in range(100):  # one at a time until the disk is full
             try:
