@@ -33,9 +33,11 @@ whichever way each one went.
 
 Not taken directly, and forwarded as they came: a produce with a lease or with
 prev_kv, ignore_value or ignore_lease; publications of CQS types and produces
-into CQS queues; deletes of ranges or with prev_kv; and every request when the
+into CQS queues; deletes of ranges or with prev_kv; and every produce when the
 backend has auth (`--backend-user`) or the call carries a token, since the
-dispatcher writes with the front's own credentials, not the caller's.
+dispatcher writes with the front's own credentials, not the caller's. An ack in
+that case is the ack Txn sent to etcd with the caller's token; where the caller
+may not write the message key (PERMISSION_DENIED), its delete goes as it came.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from queue_server.front.dispatcher import Dispatcher, ack_txn
 from queue_server.front.h2_client import CallError, UnaryPool
 from queue_server.keyspace import grammar
 from queue_server.transport.methods import Call
+from queue_server.transport.status import Status
 
 if TYPE_CHECKING:
     from queue_server.front.queues import QueueFronts
@@ -148,19 +151,23 @@ class DirectWrites:
             self.plain_after[registry] = max(self.plain_after.get(registry, 0), revision)
 
     async def delete(self, data: bytes, call: Call, plain: Plain) -> bytes:
-        """A DeleteRange: taken directly if it acknowledges one delivery."""
+        """A DeleteRange: taken directly if it acknowledges one delivery, else
+        written as the dispatcher's ack Txn, with the caller's token where it
+        has one."""
         if not names_a_queue(data):
             return await plain()
         request = rpc_pb2.DeleteRangeRequest.FromString(data)
         parsed = grammar.parse(request.key)
-        if (
-            parsed is None
-            or parsed.kind != "delivery"
-            or request.range_end
-            or request.prev_kv
-            or not self._eligible(call)
-        ):
+        if parsed is None or parsed.kind != "delivery" or request.range_end or request.prev_kv:
             return await plain()
+        message = grammar.message_key(parsed.spelling, parsed.name, parsed.idx, parsed.key)
+        if not self._eligible(call):
+            try:
+                return await self._ack_through_etcd(request.key, message, call)
+            except CallError as e:
+                if e.code is not Status.PERMISSION_DENIED:
+                    raise
+                return await plain()  # the caller may delete the delivery, not the message
         registry = grammar.registry_key(parsed.spelling, parsed.name)
 
         async def take(dispatcher: Dispatcher) -> bytes | None:
@@ -176,11 +183,15 @@ class DirectWrites:
             answer = None
         if answer is not None:
             return answer
-        message = grammar.message_key(parsed.spelling, parsed.name, parsed.idx, parsed.key)
+        return await self._ack_through_etcd(request.key, message, call)
+
+    async def _ack_through_etcd(self, delivery: bytes, message: bytes, call: Call) -> bytes:
+        """The dispatcher's ack Txn (delivery and message key in one revision),
+        sent to etcd with the caller's metadata, answered as a DeleteRange."""
         reply = rpc_pb2.TxnResponse.FromString(
             await self.queues.session.upstream.unary.call(
                 TXN_PATH,
-                ack_txn(request.key, message).SerializeToString(),
+                ack_txn(delivery, message).SerializeToString(),
                 call.invocation_metadata(),
                 call.time_remaining(),
             )

@@ -16,6 +16,7 @@ import os
 import queue
 import shutil
 import signal
+import subprocess
 import threading
 import time
 import urllib.request
@@ -29,7 +30,7 @@ from etcdserverpb import kv_pb2, rpc_pb2, rpc_pb2_grpc
 from queue_server.front.session import SESSION_TTL
 from queue_server.keyspace import grammar
 from tests.integration.test_queue import WatchStream, consumer_key, new_id
-from tests.support.processes import EtcdCluster, FrontProcess, free_port
+from tests.support.processes import EtcdCluster, EtcdProcess, FrontProcess, free_port
 
 pytestmark = [
     pytest.mark.integration,
@@ -865,3 +866,98 @@ def test_a_produce_forwarded_to_etcd_is_not_overtaken_by_a_direct_one_after_it(
     for kv_ in got:
         assert ack(b, kv_.key) == 1
     consumer.close()
+
+
+def test_an_ack_under_backend_auth_deletes_the_delivery_and_its_message_in_one_revision(
+    tmp_path: Path,
+) -> None:
+    """front/direct.py: with auth on in etcd, an ack through a front is the ack
+    Txn sent with the caller's token, so the message key goes in the ack's own
+    revision, not later when the dispatcher sees the delivery's delete (a
+    dispatcher rebuilt in between would deliver the message again)."""
+    backend = EtcdProcess(tmp_path / "auth.etcd").start()
+    front = FrontProcess(
+        tmp_path / "front.etcd", [backend.endpoint], ["--backend-user", "root:rootpw"]
+    )
+    ctl = ["etcdctl", f"--endpoints={front.endpoint}", "--command-timeout=5s"]
+    closed = threading.Event()
+    try:
+        front.start()
+        for step in (("user", "add", "root:rootpw"), ("auth", "enable")):
+            done = subprocess.run([*ctl, *step], capture_output=True, text=True, timeout=WAIT)
+            assert done.returncode == 0, done.stderr
+        with grpc.insecure_channel(front.endpoint) as ch:
+            login = rpc_pb2.AuthenticateRequest(name="root", password="rootpw")
+            token = (("token", rpc_pb2_grpc.AuthStub(ch).Authenticate(login, timeout=WAIT).token),)
+            stub = rpc_pb2_grpc.KVStub(ch)
+            name = b"fq-auth-ack"
+
+            def requests() -> Iterator[rpc_pb2.WatchRequest]:
+                yield rpc_pb2.WatchRequest(
+                    create_request=rpc_pb2.WatchCreateRequest(key=consumer_key(name, new_id()))
+                )
+                closed.wait(WAIT)  # the stream stays open until the test is done
+
+            responses = rpc_pb2_grpc.WatchStub(ch).Watch(requests(), metadata=token, timeout=WAIT)
+            put = rpc_pb2.PutRequest(key=b"/q/%s/p/k0" % name, value=b"v0")
+            stub.Put(put, metadata=token, timeout=WAIT)
+            delivery = next(r for r in responses if r.events).events[0].kv.key  # within WAIT
+            parsed = grammar.parse(delivery)
+            assert parsed is not None and parsed.kind == "delivery"
+            message = grammar.message_key(parsed.spelling, parsed.name, parsed.idx, parsed.key)
+            ack = rpc_pb2.DeleteRangeRequest(key=delivery)
+            acked = stub.DeleteRange(ack, metadata=token, timeout=WAIT)
+            assert acked.deleted == 1
+
+            def message_count(message: bytes, revision: int) -> int:
+                request = rpc_pb2.RangeRequest(key=message, revision=revision, count_only=True)
+                return int(stub.Range(request, metadata=token, timeout=WAIT).count)
+
+            at = acked.header.revision
+            assert message_count(message, at - 1) == 1 and message_count(message, at) == 0
+            assert stub.DeleteRange(ack, metadata=token, timeout=WAIT).deleted == 0
+            responses.cancel()
+
+            # a caller who may write its produces and deliveries but not the message
+            # keys: the Txn is refused, and the delivery's delete goes as it came
+            q = name.decode()
+            grants: tuple[tuple[str, ...], ...] = (
+                ("role", "add", "consumer"),
+                ("role", "grant-permission", "consumer", "readwrite", f"/q/{q}/p/", "--prefix"),
+                ("role", "grant-permission", "consumer", "readwrite", f"/q/{q}/c/", "--prefix"),
+                ("user", "add", "worker:workerpw"),
+                ("user", "grant-role", "worker", "consumer"),
+            )
+            for grant in grants:
+                done = subprocess.run(
+                    [*ctl, "--user", "root:rootpw", *grant],
+                    capture_output=True,
+                    text=True,
+                    timeout=WAIT,
+                )
+                assert done.returncode == 0, done.stderr
+            login = rpc_pb2.AuthenticateRequest(name="worker", password="workerpw")
+            worker = (("token", rpc_pb2_grpc.AuthStub(ch).Authenticate(login, timeout=WAIT).token),)
+            responses = rpc_pb2_grpc.WatchStub(ch).Watch(requests(), metadata=worker, timeout=WAIT)
+            put = rpc_pb2.PutRequest(key=b"/q/%s/p/k1" % name, value=b"v1")
+            stub.Put(put, metadata=worker, timeout=WAIT)
+            delivery = next(r for r in responses if r.events).events[0].kv.key
+            parsed = grammar.parse(delivery)
+            assert parsed is not None and parsed.kind == "delivery"
+            message = grammar.message_key(parsed.spelling, parsed.name, parsed.idx, parsed.key)
+            ack = rpc_pb2.DeleteRangeRequest(key=delivery)
+            acked = stub.DeleteRange(ack, metadata=worker, timeout=WAIT)
+            assert acked.deleted == 1
+            assert message_count(message, acked.header.revision) == 1  # the delete went alone
+            responses.cancel()
+            deadline = time.monotonic() + WAIT
+            everything = rpc_pb2.RangeRequest(
+                key=b"/q/%s/0" % name, range_end=b"/q/%s/:" % name, count_only=True
+            )
+            while stub.Range(everything, metadata=token, timeout=WAIT).count:
+                assert time.monotonic() < deadline, "the dispatcher deletes the message"
+                time.sleep(0.05)
+    finally:
+        closed.set()
+        front.stop()
+        backend.stop()
