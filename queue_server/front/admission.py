@@ -47,9 +47,12 @@ UNCHECKED_TXN_OPS = 1 << 30
 (its --max-txn-ops), and it answers a Txn over it itself."""
 
 
+_SHORT, _LONG = grammar.PREFIXES
+
+
 def names_a_queue(data: bytes) -> bool:
     """Whether a request's bytes may name a queue key (a scan, no parse)."""
-    return any(prefix in data for prefix in grammar.PREFIXES)
+    return _SHORT in data or _LONG in data
 
 
 def check_queue_write(key: bytes, value: bytes) -> None:

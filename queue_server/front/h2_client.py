@@ -602,6 +602,16 @@ class UnaryPool:
             retry=True,
         )
 
+    def _pick(self) -> _Connection | None:
+        """The next of a full pool's connections in turn, if it is open (the
+        common case, with no coroutine); None: ask `_connection`."""
+        connections = self.connections
+        if len(connections) < self.size:
+            return None
+        self._turn = (self._turn + 1) % len(connections)
+        conn = connections[self._turn]
+        return None if conn.draining or conn.lost else conn
+
     async def _connection(self) -> _Connection:
         live = [c for c in self.connections if not c.draining and not c.lost]
         if len(live) >= self.size:
@@ -627,7 +637,7 @@ class UnaryPool:
         attempts = 0
         while True:
             attempts += 1
-            conn = await self._connection()
+            conn = self._pick() or await self._connection()
             authority = conn.address
             head = self.header_block(path, authority)
             extra = []

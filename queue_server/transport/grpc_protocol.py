@@ -135,9 +135,19 @@ def parse_timeout(value: bytes) -> float | None:
     return None if unit is None else int(value[:-1]) * unit
 
 
-_ReadHeaders = tuple[list[tuple[bytes, bytes]], bytes, bytes, bytes, bytes, bytes, float | None]
+_ReadHeaders = tuple[
+    list[tuple[bytes, bytes]],
+    bytes,
+    bytes,
+    bytes,
+    bytes,
+    bytes,
+    float | None,
+    tuple[tuple[str, str], ...],
+]
 """What a call's headers say: (the headers, :path, :method, content-type,
-grpc-timeout, grpc-encoding, the timeout in seconds or None)."""
+grpc-timeout, grpc-encoding, the timeout in seconds or None, the metadata a
+handler sees)."""
 
 READ_HEADERS_MEMO = 64
 """Header lists read, remembered per connection (see `GrpcConnection.request_headers`)."""
@@ -157,7 +167,12 @@ def _read_headers(headers: list[tuple[bytes, bytes]]) -> _ReadHeaders:
         elif name == b"grpc-encoding":
             encoding = value
     seconds = parse_timeout(timeout) if timeout else None
-    return headers, path, http_method, content_type, timeout, encoding, seconds
+    metadata = tuple(
+        (name.decode("latin-1"), value.decode("utf-8", "replace"))
+        for name, value in headers
+        if name[:1] != b":" and name not in _RESERVED_METADATA
+    )
+    return headers, path, http_method, content_type, timeout, encoding, seconds, metadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,9 +201,9 @@ class NativeCall:
 
     __slots__ = (
         "_conn",
-        "_headers",
         "_inbuf",
         "_messages",
+        "_metadata",
         "_read_waiter",
         "_remote_done",
         "_write_waiter",
@@ -206,13 +221,13 @@ class NativeCall:
         conn: GrpcConnection,
         stream_id: int,
         method: Method,
-        headers: list[tuple[bytes, bytes]],
+        metadata: tuple[tuple[str, str], ...],
         deadline: float | None,
     ) -> None:
         self._conn = conn
         self.stream_id = stream_id
         self.method = method
-        self._headers = headers
+        self._metadata = metadata
         self.deadline = deadline
         """When the call's grpc-timeout runs out (the loop's clock), or None."""
         self._inbuf = bytearray()
@@ -228,11 +243,7 @@ class NativeCall:
     # -- the Call interface --------------------------------------------------
 
     def invocation_metadata(self) -> Sequence[tuple[str, str]]:
-        return [
-            (name.decode("latin-1"), value.decode("utf-8", "replace"))
-            for name, value in self._headers
-            if name[:1] != b":" and name not in _RESERVED_METADATA
-        ]
+        return self._metadata
 
     def peer(self) -> str:
         return self._conn.peer_name
@@ -557,7 +568,7 @@ class GrpcConnection(asyncio.Protocol):
             if len(self._read_headers) >= READ_HEADERS_MEMO:
                 self._read_headers.clear()
             self._read_headers[id(headers)] = read
-        _, path, http_method, content_type, timeout, encoding, seconds = read
+        _, path, http_method, content_type, timeout, encoding, seconds, metadata = read
         if not content_type.startswith(b"application/grpc"):
             # Answered once the request has ended, as an HTTP server reads a
             # body first; until then the stream is open to the client.
@@ -592,7 +603,7 @@ class GrpcConnection(asyncio.Protocol):
                 f'grpc: Decompressor is not installed for grpc-encoding "{encoding.decode("latin-1")}"',
             )
             return
-        call = NativeCall(self, stream_id, method, headers, deadline)
+        call = NativeCall(self, stream_id, method, metadata, deadline)
         self.calls[stream_id] = call
         self.idle.clear()
         if deadline is not None and (self._deadline_timer is None or deadline < self._deadline_at):
