@@ -94,7 +94,6 @@ class CqsFronts:
         """The CQS queues in the index, as last seen."""
         self._campaigns: dict[bytes, asyncio.Task[None]] = {}
         self._holders: dict[str, tuple[bytes, float]] = {}
-        self._peers: dict[str, aio.Channel] = {}
         self._task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = False
@@ -109,8 +108,6 @@ class CqsFronts:
         tasks = [*self._campaigns.values(), *([self._task] if self._task else [])]
         for task in tasks:
             task.cancel()
-        for channel in self._peers.values():
-            await channel.close(grace=None)
 
     # -- which queues exist ------------------------------------------------------------------
 
@@ -229,11 +226,7 @@ class CqsFronts:
         return holder
 
     def _peer(self, front_id: bytes) -> aio.Channel:
-        address = front_id.partition(b"@")[2].decode()
-        channel = self._peers.get(address)
-        if channel is None:
-            channel = self._peers[address] = aio.insecure_channel(address)
-        return channel
+        return self.session.peers.channel(front_id)
 
     def forget_holder(self, name: str) -> None:
         self._holders.pop(name, None)

@@ -50,7 +50,7 @@ from etcdserverpb import rpc_pb2
 from queue_server.cqs.state import DTO_QUEUE_PREFIX
 from queue_server.front.admission import names_a_queue
 from queue_server.front.dispatcher import Dispatcher, ack_txn
-from queue_server.front.h2_client import CallError, UnaryPool
+from queue_server.front.h2_client import CallError
 from queue_server.keyspace import grammar
 from queue_server.transport.methods import Call
 from queue_server.transport.status import Status
@@ -86,7 +86,6 @@ class DirectWrites:
         self.enabled = not own_credentials
         self.holders: dict[bytes, tuple[bytes | None, float]] = {}
         """Registry key -> (the dispatching front's id, or None: vacant; until)."""
-        self.peers: dict[str, UnaryPool] = {}
         self.plain_after: dict[bytes, int] = {}
         """Registry key -> revision of the last producer key this front wrote."""
 
@@ -219,10 +218,7 @@ class DirectWrites:
         holder = await self._holder(registry)
         if holder is None or holder == self.queues.session.front_id:
             return None
-        address = holder.partition(b"@")[2].decode()
-        peer = self.peers.get(address)
-        if peer is None:
-            peer = self.peers[address] = UnaryPool([address], connections=1)
+        peer = self.queues.session.peers.pool(holder)
         try:
             return await peer.call(path, data, ((HOP, str(after)),), call.time_remaining())
         except CallError as e:
@@ -246,8 +242,3 @@ class DirectWrites:
         holder = bytes(kvs[0].value) if kvs else None
         self.holders[registry] = (holder, now + HOLDER_TTL)
         return holder
-
-    async def close(self) -> None:
-        for peer in self.peers.values():
-            await peer.close()
-        self.peers.clear()

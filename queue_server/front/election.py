@@ -23,6 +23,7 @@ from grpc import aio
 from etcdserverpb import kv_pb2, rpc_pb2
 from queue_server.front.h2_client import CallError
 from queue_server.front.liveness import watch_front
+from queue_server.front.peers import front_address
 from queue_server.front.session import (
     CALL_TIMEOUT,
     LEASE_NOT_FOUND,
@@ -127,15 +128,15 @@ class RegistryHolder:
 
     async def watch_front(self, front: bytes, lease: int) -> None:
         """Revoke `lease` when the front named `front` is seen dead."""
-        _, at, address = front.partition(b"@")
-        if not at or front == self.session.front_id:
+        address, _ = front_address(front)
+        if not address or front == self.session.front_id:
             return
 
         async def revoke() -> None:
             with contextlib.suppress(CallError):
                 await self.session.revoke(lease)
 
-        await watch_front(address, revoke)
+        await watch_front(address.encode(), revoke)
 
     def probe_front(self, kv: kv_pb2.KeyValue) -> None:
         """Watch the front named by `kv`'s value for its death (once per front);

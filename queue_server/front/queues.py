@@ -31,6 +31,7 @@ from queue_server.front.admission import Admission
 from queue_server.front.direct import DirectWrites
 from queue_server.front.dispatcher import Dispatcher
 from queue_server.front.figures import FrontFigures
+from queue_server.front.peers import Peers
 from queue_server.front.session import (
     CALL_TIMEOUT,
     LEASE_NOT_FOUND,
@@ -106,8 +107,8 @@ class ConsumerTap:
 class QueueFronts:
     """The queue side of a front: consumer registrations and dispatchers."""
 
-    def __init__(self, upstream: Upstream) -> None:
-        self.session = FrontSession(upstream)
+    def __init__(self, upstream: Upstream, peers: Peers) -> None:
+        self.session = FrontSession(upstream, peers)
         self.session.renewed.append(self._register_again)
         self.admission = Admission(self.session)
         self.direct = DirectWrites(self, own_credentials=bool(upstream.config.user))
@@ -297,5 +298,5 @@ class QueueFronts:
             dispatcher.stop()
         for task in list(self._tasks):
             task.cancel()
-        await self.direct.close()
+        await self.session.peers.close()
         await self.session.stop()

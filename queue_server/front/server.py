@@ -27,6 +27,7 @@ from queue_server.config import GRPC_OVERHEAD_BYTES, Config, secure_url, url_to_
 from queue_server.errors import EtcdError, RequestTimeout
 from queue_server.front.cqs import CqsFronts, FrontCqsService
 from queue_server.front.forward import forward_methods
+from queue_server.front.peers import Peers
 from queue_server.front.queues import QueueFronts
 from queue_server.front.upstream import (
     STALE_TOKEN_ERRORS,
@@ -99,9 +100,10 @@ class FrontServer:
                     user=cfg.backend_user,
                 )
             )
+            peers = Peers(cfg.client_tls)  # how this front dials the others
         except (TLSError, UpstreamError) as e:
             raise FrontStartError(str(e)) from e
-        self.queues = QueueFronts(self.upstream)
+        self.queues = QueueFronts(self.upstream, peers)
         self.cqs = CqsFronts(self.queues.session)
         self.queues.cqs_queues = self.cqs.known
         self.metrics.registry.register(self.queues.figures)
@@ -143,7 +145,7 @@ class FrontServer:
             except OSError as e:
                 raise FrontStartError(f"cannot listen on {host}:{port}: {e.strerror}") from e
             if not self.bound_ports:
-                self.queues.session.advertise(self._reachable_at(host, bound))
+                self.queues.session.advertise(self._reachable_at(host, bound), secure_url(url))
             self.bound_ports.append(bound)
         self.cqs.start()
         self.health = HealthListener(

@@ -20,6 +20,7 @@ from grpc import aio
 
 from etcdserverpb import rpc_pb2, rpc_pb2_grpc
 from queue_server.front.h2_client import CallError
+from queue_server.front.peers import Peers, front_id
 from queue_server.front.upstream import Upstream
 from queue_server.transport.status import Status
 
@@ -62,12 +63,16 @@ def delete_op(key: bytes) -> rpc_pb2.RequestOp:
 class FrontSession:
     """This front's id and session lease in the backend."""
 
-    def __init__(self, upstream: Upstream) -> None:
+    def __init__(self, upstream: Upstream, peers: Peers) -> None:
         self.upstream = upstream
-        self.front_id = uuid.uuid4().hex.encode()
+        self.peers = peers
+        """How this front reaches the others its registry keys name (`peers.py`)."""
+        self._uuid = uuid.uuid4().hex.encode()
+        self.front_id = self._uuid
         """The value of this front's registry keys and registrations: its uuid,
-        and `@host:port` once `advertise` has named its client port, where
-        other fronts watch it for its death (`liveness.py`)."""
+        and `@host:port` (`@https://host:port`) once `advertise` has named its
+        client port, where other fronts call it and watch it for its death
+        (`peers.py`, `liveness.py`)."""
         self.lease = 0
         self.kv = rpc_pb2_grpc.KVStub(upstream.channel)
         self.leases = rpc_pb2_grpc.LeaseStub(upstream.channel)
@@ -78,10 +83,10 @@ class FrontSession:
         """Called when an expired session lease has been replaced."""
         self._task: asyncio.Task[None] | None = None
 
-    def advertise(self, address: str) -> None:
-        """Name the client port other fronts can reach this one at (before
-        anything is written with `front_id`)."""
-        self.front_id = b"%s@%s" % (self.front_id.split(b"@")[0], address.encode())
+    def advertise(self, address: str, tls: bool) -> None:
+        """Name the client port other fronts can reach this one at, and whether
+        it is served over TLS (before anything is written with `front_id`)."""
+        self.front_id = front_id(self._uuid, address, tls)
 
     async def metadata(self) -> tuple[tuple[str, str], ...]:
         return await self.upstream.own_metadata()

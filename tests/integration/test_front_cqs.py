@@ -34,7 +34,9 @@ from tests.integration.cqs_support import (
     status_of,
     unique,
 )
+from tests.integration.test_queue import consumer_key, new_id
 from tests.support.processes import EtcdCluster, FrontProcess, free_port
+from tests.support.tls import make_pki
 
 pytestmark = [
     pytest.mark.integration,
@@ -276,6 +278,67 @@ def test_a_re_enqueue_goes_on_whole_when_the_dispatching_front_dies_mid_stream(
         assert survivor.token_status(queue, original.ack_token) == (
             grpc.StatusCode.FAILED_PRECONDITION
         )
+    finally:
+        for proc in fronts:
+            if proc.proc is not None and proc.proc.poll() is None:
+                proc.stop()
+
+
+def test_fronts_serving_https_forward_to_each_other_over_tls(
+    cluster: EtcdCluster, tmp_path: Path
+) -> None:
+    """front/peers.py: a front whose client port is https names itself so, and the
+    others call it over TLS, presenting their own certificate to its
+    --client-cert-auth: a dequeue and an ack through the front that does not
+    dispatch reach the one that does."""
+    pki = make_pki(tmp_path / "pki")
+    tls = [
+        *("--cert-file", str(pki.server.cert), "--key-file", str(pki.server.key)),
+        *("--trusted-ca-file", str(pki.ca), "--client-cert-auth"),
+    ]
+    fronts = [FrontProcess(tmp_path / f"tls{i}.etcd", cluster.endpoints, tls) for i in (1, 2)]
+    try:
+        for proc in fronts:
+            proc.credentials = pki.credentials(pki.client)  # https, and our client certificate
+            proc.start()
+        a = Cqs(fronts[0].channel())
+        queue, dto = unique("tls"), unique("design.v1")
+        a.configure(queue, [dto])
+        a.publish(dto, "t/a/designs/1", SLA.format(1))
+        taken_in(cluster, dto, queue)
+        holder = dispatcher_of(cluster, queue)
+        victim = next(f for f in fronts if holder.endswith(b":%d" % f.port))
+        assert b"@https://127.0.0.1:" in holder, holder
+        other = Cqs(next(f for f in fronts if f is not victim).channel())
+        [got] = dequeue_until(other, queue, 1)
+        assert got.dto_id == "t/a/designs/1"
+        other.ack(queue, [got.ack_token])
+        assert other.token_status(queue, got.ack_token) == grpc.StatusCode.FAILED_PRECONDITION
+        wait_for("rows gone", lambda: not etcd_keys(cluster, f"/q/{queue}/n/".encode()))
+
+        # the etcd-key queue: a produce through the other front is handed to the
+        # dispatching one over TLS and becomes its message key in its own revision
+        name = unique("tlsq").encode()
+        with fronts[0].channel() as ch, fronts[1].channel() as other_ch:
+            watch = rpc_pb2.WatchRequest(
+                create_request=rpc_pb2.WatchCreateRequest(key=consumer_key(name, new_id()))
+            )
+            stream = rpc_pb2_grpc.WatchStub(ch).Watch(iter([watch]), timeout=WAIT)
+            wait_for(
+                "fronts[0] dispatches the queue", lambda: dispatcher_of(cluster, name.decode())
+            )
+            put = rpc_pb2.PutRequest(key=b"/q/%s/p/k0" % name, value=b"v0")
+            produced = rpc_pb2_grpc.KVStub(other_ch).Put(put, timeout=WAIT)
+            delivered = next(r for r in stream if r.events).events[0].kv  # within WAIT
+            stream.cancel()
+        assert delivered.value == b"v0"
+        with grpc.insecure_channel(cluster.endpoints[0]) as ch:
+            reply = rpc_pb2_grpc.KVStub(ch).Range(
+                rpc_pb2.RangeRequest(key=b"/q/%s/0" % name, range_end=b"/q/%s/:" % name),
+                timeout=WAIT,
+            )
+        # taken directly: no producer key was ever written to be moved later
+        assert [m.create_revision for m in reply.kvs] == [produced.header.revision]
     finally:
         for proc in fronts:
             if proc.proc is not None and proc.proc.poll() is None:
