@@ -30,6 +30,7 @@ from etcdserverpb import kv_pb2, rpc_pb2, rpc_pb2_grpc
 from queue_server.front.session import SESSION_TTL
 from queue_server.keyspace import grammar
 from tests.integration.test_queue import WatchStream, consumer_key, new_id
+from tests.integration.test_watch import WatchCall
 from tests.support.processes import EtcdCluster, EtcdProcess, FrontProcess, free_port
 
 pytestmark = [
@@ -898,13 +899,26 @@ def test_an_ack_under_backend_auth_deletes_the_delivery_and_its_message_in_one_r
                 )
                 closed.wait(WAIT)  # the stream stays open until the test is done
 
-            responses = rpc_pb2_grpc.WatchStub(ch).Watch(requests(), metadata=token, timeout=WAIT)
-            put = rpc_pb2.PutRequest(key=b"/q/%s/p/k0" % name, value=b"v0")
-            stub.Put(put, metadata=token, timeout=WAIT)
-            delivery = next(r for r in responses if r.events).events[0].kv.key  # within WAIT
-            parsed = grammar.parse(delivery)
-            assert parsed is not None and parsed.kind == "delivery"
-            message = grammar.message_key(parsed.spelling, parsed.name, parsed.idx, parsed.key)
+            def consume(
+                key: bytes, metadata: tuple[tuple[str, str], ...]
+            ) -> tuple[WatchCall, bytes, bytes]:
+                """A consumer's watch (left open), a produce of `key`, and the delivery
+                key and message key it made."""
+                responses = rpc_pb2_grpc.WatchStub(ch).Watch(
+                    requests(), metadata=metadata, timeout=WAIT
+                )
+                put = rpc_pb2.PutRequest(key=b"/q/%s/p/%s" % (name, key), value=b"v")
+                stub.Put(put, metadata=metadata, timeout=WAIT)
+                delivery = next(r for r in responses if r.events).events[0].kv.key  # within WAIT
+                parsed = grammar.parse(delivery)
+                assert parsed is not None and parsed.kind == "delivery"
+                return (
+                    responses,
+                    delivery,
+                    grammar.message_key(parsed.spelling, parsed.name, parsed.idx, parsed.key),
+                )
+
+            responses, delivery, message = consume(b"k0", token)
             ack = rpc_pb2.DeleteRangeRequest(key=delivery)
             acked = stub.DeleteRange(ack, metadata=token, timeout=WAIT)
             assert acked.deleted == 1
@@ -938,13 +952,7 @@ def test_an_ack_under_backend_auth_deletes_the_delivery_and_its_message_in_one_r
                 assert done.returncode == 0, done.stderr
             login = rpc_pb2.AuthenticateRequest(name="worker", password="workerpw")
             worker = (("token", rpc_pb2_grpc.AuthStub(ch).Authenticate(login, timeout=WAIT).token),)
-            responses = rpc_pb2_grpc.WatchStub(ch).Watch(requests(), metadata=worker, timeout=WAIT)
-            put = rpc_pb2.PutRequest(key=b"/q/%s/p/k1" % name, value=b"v1")
-            stub.Put(put, metadata=worker, timeout=WAIT)
-            delivery = next(r for r in responses if r.events).events[0].kv.key
-            parsed = grammar.parse(delivery)
-            assert parsed is not None and parsed.kind == "delivery"
-            message = grammar.message_key(parsed.spelling, parsed.name, parsed.idx, parsed.key)
+            responses, delivery, message = consume(b"k1", worker)
             ack = rpc_pb2.DeleteRangeRequest(key=delivery)
             acked = stub.DeleteRange(ack, metadata=worker, timeout=WAIT)
             assert acked.deleted == 1
