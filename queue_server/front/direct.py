@@ -48,7 +48,6 @@ from typing import TYPE_CHECKING
 
 from etcdserverpb import rpc_pb2
 from queue_server.cqs.state import DTO_QUEUE_PREFIX
-from queue_server.front.admission import names_a_queue
 from queue_server.front.dispatcher import Dispatcher, ack_txn
 from queue_server.front.h2_client import CallError
 from queue_server.keyspace import grammar
@@ -95,8 +94,6 @@ class DirectWrites:
     async def put(self, data: bytes, call: Call, plain: Plain) -> bytes:
         """A Put: checked as admission.py checks it, then taken directly if it
         is a plain produce, else forwarded."""
-        if not names_a_queue(data):
-            return await plain()
         request = rpc_pb2.PutRequest.FromString(data)
         hop = _hop(call.invocation_metadata())
         if hop is None:  # a call handed here was checked where it came in
@@ -153,8 +150,6 @@ class DirectWrites:
         """A DeleteRange: taken directly if it acknowledges one delivery, else
         written as the dispatcher's ack Txn, with the caller's token where it
         has one."""
-        if not names_a_queue(data):
-            return await plain()
         request = rpc_pb2.DeleteRangeRequest.FromString(data)
         parsed = grammar.parse(request.key)
         if parsed is None or parsed.kind != "delivery" or request.range_end or request.prev_kv:

@@ -28,6 +28,7 @@ from grpc import aio
 
 from etcdserverpb import rpc_pb2, v3election_pb2, v3lock_pb2
 from queue_server.errors import EtcdError
+from queue_server.front.admission import names_a_queue
 from queue_server.front.direct import DELETE_PATH, PUT_PATH, TXN_PATH
 from queue_server.front.h2_client import CallError
 from queue_server.front.queues import QueueFronts, Refused
@@ -81,7 +82,8 @@ async def _abort_with(call: Call, error: aio.AioRpcError) -> None:
 
 Route = Callable[[bytes, Call, Callable[[], Awaitable[bytes]]], Awaitable[bytes]]
 """Serves a request's bytes itself, or by the forwarding it is given; raises
-an EtcdError to refuse it (`direct.py`)."""
+an EtcdError to refuse it (`direct.py`). Asked only of requests whose bytes may
+name a queue key (`names_a_queue`): the others go straight to etcd."""
 
 
 def _routes(queues: QueueFronts | None) -> dict[str, Route]:
@@ -103,7 +105,7 @@ def _unary(upstream: Upstream, path: str, route: Route | None = None) -> Handler
     async def handler(request: Any, call: Call) -> bytes:
         data = _as_bytes(request)
         try:
-            if route is not None:
+            if route is not None and names_a_queue(data):
 
                 def plain() -> Awaitable[bytes]:
                     return send(path, data, call.invocation_metadata(), call.time_remaining())
