@@ -55,10 +55,10 @@ class Peers:
 
     def pool(self, front: bytes) -> UnaryPool:
         """Unary calls to the front `front` names."""
-        address, tls = front_address(front)
-        key = address.encode() + (b"+tls" if tls else b"")
+        key = front.partition(b"@")[2]  # the scheme and address: fronts there share it
         pool = self._pools.get(key)
         if pool is None:
+            address, tls = front_address(front)
             host = address.rpartition(":")[0].strip("[]")
             pool = self._pools[key] = (
                 UnaryPool([address], tls=self._context, server_hostname=host, connections=1)
@@ -69,10 +69,10 @@ class Peers:
 
     def channel(self, front: bytes) -> aio.Channel:
         """A grpc channel to the front `front` names."""
-        address, tls = front_address(front)
-        key = address.encode() + (b"+tls" if tls else b"")
+        key = front.partition(b"@")[2]
         channel = self._channels.get(key)
         if channel is None:
+            address, tls = front_address(front)
             channel = self._channels[key] = (
                 aio.secure_channel(address, self._credentials)
                 if tls

@@ -135,44 +135,54 @@ def parse_timeout(value: bytes) -> float | None:
     return None if unit is None else int(value[:-1]) * unit
 
 
-_ReadHeaders = tuple[
-    list[tuple[bytes, bytes]],
-    bytes,
-    bytes,
-    bytes,
-    bytes,
-    bytes,
-    float | None,
-    tuple[tuple[str, str], ...],
-]
-"""What a call's headers say: (the headers, :path, :method, content-type,
-grpc-timeout, grpc-encoding, the timeout in seconds or None, the metadata a
-handler sees)."""
+class _ReadHeaders:
+    """What a call's headers say, read once per header list: the pseudo-headers
+    and gRPC headers the connection routes by, and, when a handler first asks,
+    the metadata it sees."""
+
+    __slots__ = (
+        "_metadata",
+        "content_type",
+        "encoding",
+        "headers",
+        "http_method",
+        "path",
+        "seconds",
+        "timeout",
+    )
+
+    def __init__(self, headers: list[tuple[bytes, bytes]]) -> None:
+        self.headers = headers
+        path = content_type = timeout = encoding = http_method = b""
+        for name, value in headers:
+            if name == b":path":
+                path = value
+            elif name == b":method":
+                http_method = value
+            elif name == b"content-type":
+                content_type = value
+            elif name == b"grpc-timeout":
+                timeout = value
+            elif name == b"grpc-encoding":
+                encoding = value
+        self.path, self.http_method, self.content_type = path, http_method, content_type
+        self.timeout, self.encoding = timeout, encoding
+        self.seconds = parse_timeout(timeout) if timeout else None
+        """The grpc-timeout in seconds (None: none, or malformed)."""
+        self._metadata: tuple[tuple[str, str], ...] | None = None
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        if self._metadata is None:
+            self._metadata = tuple(
+                (name.decode("latin-1"), value.decode("utf-8", "replace"))
+                for name, value in self.headers
+                if name[:1] != b":" and name not in _RESERVED_METADATA
+            )
+        return self._metadata
+
 
 READ_HEADERS_MEMO = 64
 """Header lists read, remembered per connection (see `GrpcConnection.request_headers`)."""
-
-
-def _read_headers(headers: list[tuple[bytes, bytes]]) -> _ReadHeaders:
-    path = content_type = timeout = encoding = http_method = b""
-    for name, value in headers:
-        if name == b":path":
-            path = value
-        elif name == b":method":
-            http_method = value
-        elif name == b"content-type":
-            content_type = value
-        elif name == b"grpc-timeout":
-            timeout = value
-        elif name == b"grpc-encoding":
-            encoding = value
-    seconds = parse_timeout(timeout) if timeout else None
-    metadata = tuple(
-        (name.decode("latin-1"), value.decode("utf-8", "replace"))
-        for name, value in headers
-        if name[:1] != b":" and name not in _RESERVED_METADATA
-    )
-    return headers, path, http_method, content_type, timeout, encoding, seconds, metadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +213,7 @@ class NativeCall:
         "_conn",
         "_inbuf",
         "_messages",
-        "_metadata",
+        "_read",
         "_read_waiter",
         "_remote_done",
         "_write_waiter",
@@ -221,13 +231,13 @@ class NativeCall:
         conn: GrpcConnection,
         stream_id: int,
         method: Method,
-        metadata: tuple[tuple[str, str], ...],
+        read: _ReadHeaders,
         deadline: float | None,
     ) -> None:
         self._conn = conn
         self.stream_id = stream_id
         self.method = method
-        self._metadata = metadata
+        self._read = read
         self.deadline = deadline
         """When the call's grpc-timeout runs out (the loop's clock), or None."""
         self._inbuf = bytearray()
@@ -243,7 +253,7 @@ class NativeCall:
     # -- the Call interface --------------------------------------------------
 
     def invocation_metadata(self) -> Sequence[tuple[str, str]]:
-        return self._metadata
+        return self._read.metadata()
 
     def peer(self) -> str:
         return self._conn.peer_name
@@ -563,12 +573,13 @@ class GrpcConnection(asyncio.Protocol):
             self._preface_timer.cancel()
             self._preface_timer = None
         read = self._read_headers.get(id(headers))
-        if read is None or read[0] is not headers:
-            read = _read_headers(headers)
+        if read is None or read.headers is not headers:
+            read = _ReadHeaders(headers)
             if len(self._read_headers) >= READ_HEADERS_MEMO:
                 self._read_headers.clear()
             self._read_headers[id(headers)] = read
-        _, path, http_method, content_type, timeout, encoding, seconds, metadata = read
+        path, http_method, content_type = read.path, read.http_method, read.content_type
+        timeout, encoding, seconds = read.timeout, read.encoding, read.seconds
         if not content_type.startswith(b"application/grpc"):
             # Answered once the request has ended, as an HTTP server reads a
             # body first; until then the stream is open to the client.
@@ -603,7 +614,7 @@ class GrpcConnection(asyncio.Protocol):
                 f'grpc: Decompressor is not installed for grpc-encoding "{encoding.decode("latin-1")}"',
             )
             return
-        call = NativeCall(self, stream_id, method, metadata, deadline)
+        call = NativeCall(self, stream_id, method, read, deadline)
         self.calls[stream_id] = call
         self.idle.clear()
         if deadline is not None and (self._deadline_timer is None or deadline < self._deadline_at):
