@@ -115,8 +115,7 @@ def watch_messages(endpoint: str, client: Client, revision: str) -> list[Any]:
             "start_revision": revision,
             "filters": [],
         }
-        stream.send({"create_request": request})
-        stream.end()
+        stream.send_body({"create_request": request})
         got = [stream.status(), stream.recv()]
         client.post("/v3/kv/put", {"key": b64(PREFIX + "members/pg0"), "value": b64("{}")})
         got.append(stream.recv())
