@@ -3,13 +3,14 @@
 Run it with::
 
     python -m benchmarks.front_tool [--quick] [--workloads put64,range64] [--tool PATH] \\
-        [--etcd PATH] [--out FILE.md] [--json FILE] [--timeout SECONDS]
+        [--etcd PATH] [--members 1|3] [--out FILE.md] [--json FILE] [--timeout SECONDS]
 
 What it owns: for each workload and each path (`etcd`: the tool straight to etcd; `front`: the
 tool to our server run as `--backend-endpoints` over that etcd; `grpc-proxy`: the tool to
-`etcd grpc-proxy start` over it) it starts a fresh etcd in a new temporary directory, the
-front or proxy if the path has one, runs etcd's benchmark tool with the same flags as
-`benchmarks.etcd_tool`'s workload of that name, and stops each process by its pid. It reads the
+`etcd grpc-proxy start` over it) it starts a fresh etcd (one member, or with `--members 3` a
+3-member cluster) in a new temporary directory, the front or proxy if the path has one, runs
+etcd's benchmark tool with the same flags as `benchmarks.etcd_tool`'s workload of that name,
+and stops each process by its pid. It reads the
 CPU time of etcd and of the front or proxy separately over the run, and writes a Markdown
 table (requests/s, ratio to straight-to-etcd, p50/p99, CPU per request of each process) and
 JSON. The paths run one after another, never at the same time.
@@ -28,6 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from benchmarks.cluster_tool import CLUSTER_SIZE, Cluster
 from benchmarks.etcd_tool import (
     FULL_RUN_TIMEOUT,
     QUICK_RUN_TIMEOUT,
@@ -44,7 +46,15 @@ from benchmarks.options import (
     run_meta,
     stop_on_sigterm,
 )
-from benchmarks.servers import EtcdServer, OursServer, Server, free_port, log, process_tree_cpu
+from benchmarks.servers import (
+    EtcdServer,
+    OursServer,
+    Server,
+    disturbed_note,
+    free_port,
+    log,
+    process_tree_cpu,
+)
 
 PATHS = ("etcd", "front", "grpc-proxy")
 DEFAULT_WORKLOADS = ("put64", "range64")
@@ -98,32 +108,72 @@ class GrpcProxyServer(Server):
 def run_path(
     path: str, wl: Workload, n: int, args: argparse.Namespace, work_dir: Path
 ) -> tuple[RunResult, float | None]:
-    """One measured run on a fresh etcd; (result, etcd's CPU seconds over the run)."""
-    etcd = EtcdServer(work_dir / path, args.etcdctl, args.etcd)
-    etcd.work_dir.mkdir(parents=True, exist_ok=True)
+    """One measured run on a fresh etcd of `args.members`; (result, etcd's CPU seconds over
+    the run, every member's summed). With 3 members every path is given all three: the tool's
+    endpoints straight, the front's `--backend-endpoints`, the proxy's `--endpoints`."""
+    root = work_dir / path
+    root.mkdir(parents=True, exist_ok=True)
+    members: list[Server]
+    cluster: Cluster | None = None
+    if args.members == 1:
+        members = [EtcdServer(root, args.etcdctl, args.etcd)]
+    else:
+        cluster = Cluster("etcd", root, args)
+        members = cluster.members
     middle: Server | None = None
+    leader_note = ""
     try:
-        etcd.start()
+        if cluster is None:
+            members[0].start()
+        else:
+            leader = cluster.start()
+            # A follower first: the front dials its first endpoint, and puts through a
+            # follower cost etcd a hop to the leader (the proxy spreads its calls anyway).
+            members = [m for m in members if m is not leader] + [leader]
+            leader_note = (
+                f"etcd's leader is {member_name(leader)}; the front's first endpoint is "
+                f"{member_name(members[0])}, a follower"
+            )
+        backend = ",".join(m.url for m in members)
         if path == "front":
-            middle = FrontServer(etcd.work_dir, args.etcdctl, etcd.url)
+            middle = FrontServer(root / "front", args.etcdctl, backend)
         elif path == "grpc-proxy":
-            middle = GrpcProxyServer(etcd.work_dir, args.etcdctl, args.etcd, etcd.url)
+            middle = GrpcProxyServer(root, args.etcdctl, args.etcd, backend)
         if middle is not None:
             middle.start()
-        target = middle or etcd
-        log(f"  {path}: serving on {target.endpoint} (pid {target.pid})")
-        wl.set_up(target)
-        etcd_cpu0 = process_tree_cpu(etcd.pid)
-        res = run_tool_on(args.tool, [target], target.endpoint, wl, n, args.timeout, work_dir)
-        etcd_cpu = process_tree_cpu(etcd.pid) - etcd_cpu0
+        measured = [middle] if middle is not None else members
+        endpoints = ",".join(s.endpoint for s in measured)
+        log(f"  {path}: serving on {endpoints} (pid {', '.join(str(s.pid) for s in measured)})")
+        wl.set_up(measured[0])
+
+        def etcd_cpu_now() -> float:
+            return sum(process_tree_cpu(m.pid) for m in members)
+
+        etcd_cpu0 = etcd_cpu_now()
+        res = run_tool_on(args.tool, measured, endpoints, wl, n, args.timeout, work_dir)
+        etcd_cpu = etcd_cpu_now() - etcd_cpu0
         res.server = path
+        if middle is not None:  # etcd is not a disturbance behind a middle: it is measured
+            res.notes = [n for n in res.notes if not n.startswith("other processes")]
+            other = None if res.other_cpu_s is None else res.other_cpu_s - etcd_cpu
+            if note := disturbed_note(other, res.wall_s):
+                res.notes.append(note)
+        if leader_note:
+            res.notes.append(leader_note)
         return res, etcd_cpu
     except Exception as e:
         return RunResult(server=path, workload=wl.name, command=[], ok=False, error=str(e)), None
     finally:
         if middle is not None:
             middle.stop()
-        etcd.stop()
+        if cluster is None:
+            members[0].stop()
+        else:
+            cluster.stop()
+
+
+def member_name(member: Server) -> str:
+    return member.work_dir.name.removeprefix("etcd-")
 
 
 def _per_request_us(cpu: float | None, res: RunResult) -> str:
@@ -150,6 +200,9 @@ def markdown(
         "",
         f"- commit {meta.get('commit')}, etcd {meta.get('etcd_version')}, {meta.get('date')}",
         f"- tool: etcd's benchmark ({meta.get('tool')}), {meta.get('mode')} counts",
+        f"- etcd: {meta.get('members')} member(s); with 3, every path is given all three "
+        "(the tool's endpoints, the front's backend, a follower first, the proxy's "
+        "endpoints), and `etcd` is the three members' CPU together",
         "- CPU per request, in µs: of the front or proxy (`middle`), of etcd, of the load",
         "  generator (`tool`), and of the three together (`all`); `cores busy` is the machine's",
         "  busy CPU over the run (every process) over its wall time. Where the cores are all",
@@ -179,6 +232,14 @@ def markdown(
                 f"{_per_request_us(etcd_cpu_s, res)} | {_per_request_us(res.tool_cpu_s, res)} | "
                 f"{_per_request_us(together, res)} | {_cores_busy(res)} |"
             )
+    notes = [
+        f"- {wl.name}, {path}: {note}"
+        for wl, _, results in rows
+        for path in PATHS
+        for note in results[path][0].notes
+    ]
+    if notes:
+        out += ["", *notes]
     return "\n".join(out) + "\n"
 
 
@@ -188,6 +249,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="KV through a front vs straight to etcd vs grpc-proxy, with etcd's tool.",
     )
     add_common_args(p, QUICK_RUN_TIMEOUT, FULL_RUN_TIMEOUT, workloads=list(WORKLOADS_BY_NAME))
+    p.add_argument(
+        "--members",
+        type=int,
+        choices=(1, CLUSTER_SIZE),
+        default=1,
+        help=f"etcd members under every path: 1, or {CLUSTER_SIZE} (a cluster, as fronts are "
+        "meant to serve)",
+    )
     args = p.parse_args(argv)
     if args.workloads == ",".join(WORKLOADS_BY_NAME):
         args.workloads = ",".join(DEFAULT_WORKLOADS)
@@ -202,6 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = run_meta(args)
     meta["tool"] = args.tool
     meta["mode"] = "quick" if args.quick else "full"
+    meta["members"] = args.members
     started = time.monotonic()
     rows = []
     failed: list[str] = []

@@ -2,8 +2,9 @@
 fronts over etcd run end to end and report what they say they do. No speed assertions.
 
 front_tool runs put64 and range64 straight to a fresh etcd, through a front and through etcd's
-grpc-proxy; front_queue_tool runs etcd's queue recipe and tools/queue-bench `mq` through 1, 2
-and 3 fronts over a 3-member etcd, then SIGKILLs the dispatching front. The Go tools come from
+grpc-proxy, and put64 so over a 3-member etcd (every path given all three members);
+front_queue_tool runs etcd's queue recipe and tools/queue-bench `mq` through 1, 2 and 3 fronts
+over a 3-member etcd, then SIGKILLs the dispatching front. The Go tools come from
 the `etcd_benchmark` fixture (tests/bench/conftest.py) and scripts/build_queue_bench.sh.
 """
 
@@ -46,6 +47,30 @@ def test_quick_kv_straight_through_a_front_and_through_grpc_proxy(
             assert side["etcd_cpu_s"] > 0
     text = md_path.read_text()
     assert "| put64 | front |" in text and "| range64 | grpc-proxy |" in text
+
+
+def test_quick_put_over_a_three_member_etcd_names_its_leader(
+    etcd_benchmark: Path, tmp_path: Path
+) -> None:
+    json_path, md_path = tmp_path / "front3.json", tmp_path / "front3.md"
+    done = processes.run_harness(
+        "benchmarks.front_tool",
+        [
+            *("--quick", "--members", "3", "--workloads", "put64"),
+            *("--tool", str(etcd_benchmark), "--json", str(json_path), "--out", str(md_path)),
+        ],
+        HARNESS_TIMEOUT,
+    )
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-6000:]}"
+    doc = json.loads(json_path.read_text())
+    assert doc["meta"]["members"] == 3
+    (row,) = doc["rows"]
+    for path, side in row["paths"].items():
+        result = side["result"]
+        assert result["ok"] and result["report"]["rps"] > 0, (path, result["error"])
+        assert result["command"][1].count(",") == (2 if path == "etcd" else 0)
+        assert any(note.startswith("etcd's leader is n") for note in result["notes"])
+    assert "- put64, front: etcd's leader is n" in md_path.read_text()
 
 
 def test_quick_queue_through_fronts_and_the_failover(tmp_path: Path) -> None:
