@@ -10,10 +10,10 @@ tool to our server run as `--backend-endpoints` over that etcd; `grpc-proxy`: th
 `etcd grpc-proxy start` over it) it starts a fresh etcd (one member, or with `--members 3` a
 3-member cluster) in a new temporary directory, the front or proxy if the path has one, runs
 etcd's benchmark tool with the same flags as `benchmarks.etcd_tool`'s workload of that name,
-and stops each process by its pid. It reads the
-CPU time of etcd and of the front or proxy separately over the run, and writes a Markdown
-table (requests/s, ratio to straight-to-etcd, p50/p99, CPU per request of each process) and
-JSON. The paths run one after another, never at the same time.
+and stops each process by its pid. It reads the CPU time of etcd and of the front or proxy
+separately over the run, and writes a Markdown table (requests/s, ratio to straight-to-etcd,
+p50/p99, CPU per request of each process) and JSON. The paths run one after another, never at
+the same time.
 """
 
 from __future__ import annotations
@@ -110,7 +110,8 @@ def run_path(
 ) -> tuple[RunResult, float | None]:
     """One measured run on a fresh etcd of `args.members`; (result, etcd's CPU seconds over
     the run, every member's summed). With 3 members every path is given all three: the tool's
-    endpoints straight, the front's `--backend-endpoints`, the proxy's `--endpoints`."""
+    endpoints straight, the front's `--backend-endpoints` (a follower first), the proxy's
+    `--endpoints`."""
     root = work_dir / path
     root.mkdir(parents=True, exist_ok=True)
     members: list[Server]
@@ -131,8 +132,8 @@ def run_path(
             # follower cost etcd a hop to the leader (the proxy spreads its calls anyway).
             members = [m for m in members if m is not leader] + [leader]
             leader_note = (
-                f"etcd's leader is {member_name(leader)}; the front's first endpoint is "
-                f"{member_name(members[0])}, a follower"
+                f"etcd's leader is {member_name(leader)}; {member_name(members[0])}, a "
+                "follower, is the first endpoint"
             )
         backend = ",".join(m.url for m in members)
         if path == "front":

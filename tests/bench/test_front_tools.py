@@ -14,6 +14,7 @@ import json
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,17 +27,25 @@ HARNESS_TIMEOUT = 240
 BUILD_TIMEOUT = 300
 
 
-def test_quick_kv_straight_through_a_front_and_through_grpc_proxy(
-    etcd_benchmark: Path, tmp_path: Path
-) -> None:
-    json_path, md_path = tmp_path / "front.json", tmp_path / "front.md"
+def run_front_tool(etcd_benchmark: Path, out: Path, *flags: str) -> tuple[dict[str, Any], str]:
+    """`benchmarks.front_tool --quick` with `flags`; (its JSON, its Markdown)."""
+    json_path, md_path = out / "front.json", out / "front.md"
     done = processes.run_harness(
         "benchmarks.front_tool",
-        ["--quick", "--tool", str(etcd_benchmark), "--json", str(json_path), "--out", str(md_path)],
+        [
+            *("--quick", *flags, "--tool", str(etcd_benchmark)),
+            *("--json", str(json_path), "--out", str(md_path)),
+        ],
         HARNESS_TIMEOUT,
     )
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-6000:]}"
-    doc = json.loads(json_path.read_text())
+    return json.loads(json_path.read_text()), md_path.read_text()
+
+
+def test_quick_kv_straight_through_a_front_and_through_grpc_proxy(
+    etcd_benchmark: Path, tmp_path: Path
+) -> None:
+    doc, text = run_front_tool(etcd_benchmark, tmp_path)
     assert [r["workload"] for r in doc["rows"]] == ["put64", "range64"]
     for row in doc["rows"]:
         assert set(row["paths"]) == {"etcd", "front", "grpc-proxy"}
@@ -45,24 +54,13 @@ def test_quick_kv_straight_through_a_front_and_through_grpc_proxy(
             assert result["ok"], (row["workload"], path, result["error"])
             assert result["report"]["rps"] > 0 and not result["report"]["errors"]
             assert side["etcd_cpu_s"] > 0
-    text = md_path.read_text()
     assert "| put64 | front |" in text and "| range64 | grpc-proxy |" in text
 
 
 def test_quick_put_over_a_three_member_etcd_names_its_leader(
     etcd_benchmark: Path, tmp_path: Path
 ) -> None:
-    json_path, md_path = tmp_path / "front3.json", tmp_path / "front3.md"
-    done = processes.run_harness(
-        "benchmarks.front_tool",
-        [
-            *("--quick", "--members", "3", "--workloads", "put64"),
-            *("--tool", str(etcd_benchmark), "--json", str(json_path), "--out", str(md_path)),
-        ],
-        HARNESS_TIMEOUT,
-    )
-    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-6000:]}"
-    doc = json.loads(json_path.read_text())
+    doc, text = run_front_tool(etcd_benchmark, tmp_path, "--members", "3", "--workloads", "put64")
     assert doc["meta"]["members"] == 3
     (row,) = doc["rows"]
     for path, side in row["paths"].items():
@@ -70,7 +68,7 @@ def test_quick_put_over_a_three_member_etcd_names_its_leader(
         assert result["ok"] and result["report"]["rps"] > 0, (path, result["error"])
         assert result["command"][1].count(",") == (2 if path == "etcd" else 0)
         assert any(note.startswith("etcd's leader is n") for note in result["notes"])
-    assert "- put64, front: etcd's leader is n" in md_path.read_text()
+    assert "- put64, front: etcd's leader is n" in text
 
 
 def test_quick_queue_through_fronts_and_the_failover(tmp_path: Path) -> None:
