@@ -128,8 +128,9 @@ def run_path(
             members[0].start()
         else:
             leader = cluster.start()
-            # A follower first: the front dials its first endpoint, and puts through a
-            # follower cost etcd a hop to the leader (the proxy spreads its calls anyway).
+            # A follower first: the front has to find the leader itself (front/leader.py);
+            # puts through a follower would cost etcd a hop to the leader each (the proxy
+            # spreads its calls over the members anyway).
             members = [m for m in members if m is not leader] + [leader]
             leader_note = (
                 f"etcd's leader is {member_name(leader)}; {member_name(members[0])}, a "

@@ -18,7 +18,8 @@ reads this map and checks every import against it.
     `replication.driver.ClusterLog` (Raft) where the local log would be.
   - `front/` a front over an existing etcd, keeping no data: every etcd method
     forwarded as bytes (`forward.py`), the backend connection (`upstream.py`,
-    and our HTTP/2 client for unary calls, `h2_client.py`), the etcd-key queue
+    and our HTTP/2 client for unary calls, `h2_client.py`, kept on the
+    backend's leader by `leader.py`), the etcd-key queue
     over etcd (`queues.py`: consumer registrations, one dispatcher per queue),
     CQS over etcd (`cqs.py`, `cqs_queue.py`, `cqs_fanout.py`), the election
     they share (`election.py`), coalesced watches (`watch_coalesce.py`), its

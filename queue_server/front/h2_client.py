@@ -95,6 +95,8 @@ RECV_TOP_UP = MAX_WINDOW // 2
 """Connection window used before we give it back in one WINDOW_UPDATE."""
 DECODED_BLOCKS = 64
 MAX_STREAM_ID = 2**31 - 1
+DIAL_ERRORS = (OSError, TimeoutError, ConnectionError, ssl.SSLError)
+"""What a failed connection attempt raises."""
 _SETTINGS_ENTRY = struct.Struct(">HI")
 _MESSAGE_PREFIX = struct.Struct(">BI")
 
@@ -417,6 +419,17 @@ class _Connection(asyncio.Protocol):
             self._flush()
             self.transport.close()
 
+    def retire(self) -> None:
+        """Take no new calls, and close once the calls in flight have ended
+        (the pool moved to another member). Calls still waiting for a stream
+        were never sent: they are retried on the pool's other connections."""
+        self.draining = True
+        self.pool.forget(self)
+        self._fail_waiting(f"connection to {self.address} retired before the call was sent")
+        if not self.calls and self.transport is not None:
+            self._flush()
+            self.transport.close()
+
     def start(self, header_block: bytes, message: bytes) -> asyncio.Future[bytes]:
         """One unary call: its stream opened now, or once the backend's stream
         limit allows; the future resolves to the response bytes."""
@@ -569,29 +582,37 @@ class UnaryPool:
             self._blocks[key] = found
         return found
 
-    async def _open(self) -> _Connection:
+    async def _dial(self, address: str) -> _Connection:
+        """A new connection to `address`, its SETTINGS exchanged (not yet in the pool)."""
         loop = asyncio.get_running_loop()
+        host, _, port = address.rpartition(":")
+        conn = _Connection(self, address)
+        try:
+            await asyncio.wait_for(
+                loop.create_connection(
+                    _factory(conn),
+                    host.strip("[]"),
+                    int(port),
+                    ssl=self.tls,
+                    server_hostname=self.server_hostname if self.tls else None,
+                ),
+                CONNECT_TIMEOUT,
+            )
+            await asyncio.wait_for(conn.ready, CONNECT_TIMEOUT)
+        except BaseException:
+            if conn.transport is not None:
+                conn.transport.close()
+            raise
+        return conn
+
+    async def _open(self) -> _Connection:
         errors = []
         order = self.addresses[self._preferred :] + self.addresses[: self._preferred]
         for address in order:
-            host, _, port = address.rpartition(":")
-            conn = _Connection(self, address)
             try:
-                await asyncio.wait_for(
-                    loop.create_connection(
-                        _factory(conn),
-                        host.strip("[]"),
-                        int(port),
-                        ssl=self.tls,
-                        server_hostname=self.server_hostname if self.tls else None,
-                    ),
-                    CONNECT_TIMEOUT,
-                )
-                await asyncio.wait_for(conn.ready, CONNECT_TIMEOUT)
-            except (OSError, TimeoutError, ConnectionError, ssl.SSLError) as e:
+                conn = await self._dial(address)
+            except DIAL_ERRORS as e:
                 errors.append(f"{address}: {e}")
-                if conn.transport is not None:
-                    conn.transport.close()
                 continue
             self._preferred = self.addresses.index(address)
             self.connections.append(conn)
@@ -601,6 +622,31 @@ class UnaryPool:
             "failed to connect to all addresses; " + "; ".join(errors),
             retry=True,
         )
+
+    async def move_to(self, address: str) -> bool:
+        """Make `address` (one of `addresses`) the member new calls go to. A
+        connection to it is opened first, and only then are the open
+        connections to other members retired: they take no new calls and close
+        once their calls have ended. False, and nothing changed, when it cannot
+        be reached."""
+        index = self.addresses.index(address)
+        if all(c.address == address for c in self.connections):
+            self._preferred = index  # nothing open elsewhere: the next dial goes there
+            return True
+        try:
+            conn = await self._dial(address)
+        except DIAL_ERRORS as e:
+            log.info(
+                "backend member unreachable, calls stay where they are address=%s error=%s",
+                address,
+                e,
+            )
+            return False
+        self._preferred = index
+        for old in [c for c in self.connections if c.address != address]:
+            old.retire()
+        self.connections.append(conn)
+        return True
 
     def _pick(self) -> _Connection | None:
         """The next of a full pool's connections in turn, if it is open (the

@@ -103,6 +103,7 @@ class FrontServer:
             peers = Peers(cfg.client_tls)  # how this front dials the others
         except (TLSError, UpstreamError) as e:
             raise FrontStartError(str(e)) from e
+        self.upstream.start()
         self.queues = QueueFronts(self.upstream, peers)
         self.cqs = CqsFronts(self.queues.session)
         self.queues.cqs_queues = self.cqs.known

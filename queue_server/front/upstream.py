@@ -13,6 +13,10 @@ that does, as clientv3's balancer does. A call that was never sent on a broken
 connection is retried on the next one by grpc itself (its transparent retry);
 a call in flight when its member dies fails with UNAVAILABLE, as it does
 through clientv3, and the client decides whether to retry it.
+
+Unary calls (every KV, Lease and queue call) go over `unary`, the front's own
+HTTP/2 client, which `front/leader.py` keeps on the member that leads: etcd
+proposes every write there, and a follower would forward each one.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from grpc import aio
 
 from etcdserverpb import rpc_pb2
 from queue_server.front.h2_client import UnaryPool
+from queue_server.front.leader import LeaderPreference
 
 
 class UpstreamError(ValueError):
@@ -146,8 +151,14 @@ class Upstream:
         self.unary = UnaryPool(addresses, tls, first_host)
         """Unary calls go over our own HTTP/2 client (`front/h2_client.py`);
         streams and the front's own calls over `channel`."""
+        self.leader = LeaderPreference(self.unary, tls, first_host, self.own_metadata)
+        """Keeps `unary` on the backend's leader (`front/leader.py`)."""
         self._token = ""
         self._token_lock = asyncio.Lock()
+
+    def start(self) -> None:
+        """The background work of the connection: following the leader."""
+        self.leader.start()
 
     async def own_metadata(self, refresh: bool = False) -> tuple[tuple[str, str], ...]:
         """The metadata of the front's own calls: its token, when `--backend-user`
@@ -177,6 +188,7 @@ class Upstream:
         return (("token", self._token),)
 
     async def close(self) -> None:
+        await self.leader.stop()
         await self.unary.close()
         await self.channel.close(grace=None)
 

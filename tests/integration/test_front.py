@@ -185,45 +185,60 @@ def test_health_is_the_backends(fronts: list[FrontProcess]) -> None:
 def test_the_front_fails_over_when_its_etcd_member_dies(
     cluster: EtcdCluster, fronts: list[FrontProcess]
 ) -> None:
-    """pick_first connects to the first endpoint; killing it (leader or not)
-    moves the front to the next member. The writes resume within the bound."""
+    """A front's calls go to the leader (front/leader.py); killing it moves
+    them to the next member that answers, and then to the new leader. The
+    writes resume within the bound."""
     a, b = fronts
     put(a, b"/front/failover/before", b"1")
-    cluster.kill(0)
+    leader = cluster.leader()
+    cluster.kill(leader)
     try:
         took = put_until_served(a, b"/front/failover/after", b"2")
         assert took < WAIT
         assert get(b, b"/front/failover/after") == b"2"
         assert get(b, b"/front/failover/before") == b"1"
     finally:
-        cluster.restart(0)
+        cluster.restart(leader)
 
 
 def test_the_front_leaves_an_etcd_member_that_stops_answering(
-    cluster: EtcdCluster, fronts: list[FrontProcess]
+    cluster: EtcdCluster, tmp_path: Path
 ) -> None:
     """A member that stops without closing its connections (SIGSTOP: as a cut
     network looks) is noticed by the front's keepalive pings, 10-20 s without an
     answer (front/h2_client.py KEEPALIVE_SECONDS, grpcio's for the streams), and
-    left for the next member; before, every call went on timing out there."""
-    a, b = fronts
-    put(a, b"/front/stopped/before", b"1")
-    proc = cluster.members[0].proc
-    assert proc is not None
-    os.kill(proc.pid, signal.SIGSTOP)
+    left for the next member; before, every call went on timing out there. The
+    front is given the two followers only, so no leader among its endpoints
+    moves it first (front/leader.py; tests/integration/test_front_leader.py
+    stops a leader)."""
+    leader = cluster.leader()
+    followers = [i for i in range(3) if i != leader]
+    front = FrontProcess(
+        tmp_path / "followers.etcd", [cluster.members[i].endpoint for i in followers]
+    ).start()
     try:
-        start = time.monotonic()
-        while True:
-            try:
-                put(a, b"/front/stopped/after", b"2")
-                break
-            except grpc.RpcError as e:
-                assert e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-                took = time.monotonic() - start
-                assert took < STOPPED_WAIT, f"still no put served after {took:.1f}s: {e}"
+        put(front, b"/front/stopped/before", b"1")
+        proc = cluster.members[followers[0]].proc
+        assert proc is not None
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            while True:
+                try:
+                    put(front, b"/front/stopped/after", b"2")
+                    break
+                except grpc.RpcError as e:
+                    assert e.code() in (
+                        grpc.StatusCode.UNAVAILABLE,
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                    )
+                    took = time.monotonic() - start
+                    assert took < STOPPED_WAIT, f"still no put served after {took:.1f}s: {e}"
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        assert get(front, b"/front/stopped/after") == b"2"
     finally:
-        os.kill(proc.pid, signal.SIGCONT)
-    assert get(b, b"/front/stopped/after") == b"2"
+        front.stop()
 
 
 def test_without_a_backend_a_front_refuses_with_unavailable_and_recovers(
