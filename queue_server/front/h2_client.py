@@ -24,6 +24,9 @@ It is written for one peer, grpc-go as etcd runs it, and no more:
   could be made is retried on another connection, as grpc's transparent retry
   does. A call in flight when its connection is lost fails with UNAVAILABLE:
   it may have been applied, so only the client may decide to retry it.
+- Which member: the pool dials its preferred address first and the others
+  after it; `move_to` changes the preferred one (`front/leader.py` keeps it on
+  the leader), opening the new connection before it retires the old ones.
 - Deadlines: sent as `grpc-timeout`, and enforced here too (RST_STREAM CANCEL).
 - Keepalive: a connection that received nothing for KEEPALIVE_SECONDS is
   pinged, and closed when another period passes in silence, so a member that

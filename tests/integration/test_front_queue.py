@@ -509,7 +509,8 @@ class Ledger:
         self.received: set[bytes] = set()
         self.acked: set[bytes] = set()
         self.holding: dict[bytes, str] = {}
-        """Message key -> the consumer holding it (received, not acked, stream alive)."""
+        """`{idx}/{key}` -> the consumer holding that message (received, not
+        acked, stream alive)."""
         self.violations: list[str] = []
 
 
@@ -552,13 +553,17 @@ class ChaosConsumer:
                 call.cancel()
 
     def _received(self, stub: rpc_pb2_grpc.KVStub, delivery: kv_pb2.KeyValue) -> None:
-        message = delivery.key.rsplit(b"/", 1)[1]
+        # a message is its idx: a produce retried after an unanswered try (the
+        # leader died under it) may have been written twice, as two messages
+        # of one key, and each may be held by its own consumer
+        _, idx, message = delivery.key.rsplit(b"/", 2)
+        held = idx + b"/" + message
         ledger = self.ledger
         with ledger.lock:
-            other = ledger.holding.get(message)
+            other = ledger.holding.get(held)
             if other is not None and other != self.label:
-                ledger.violations.append(f"{message!r} held by {other} and {self.label}")
-            ledger.holding[message] = self.label
+                ledger.violations.append(f"{held!r} held by {other} and {self.label}")
+            ledger.holding[held] = self.label
             ledger.received.add(message)
         for attempt in range(10):  # etcd may be choosing a leader: retry, bounded
             try:
@@ -569,8 +574,8 @@ class ChaosConsumer:
                 time.sleep(0.3)
                 continue
             with ledger.lock:
-                if ledger.holding.get(message) == self.label:
-                    del ledger.holding[message]
+                if ledger.holding.get(held) == self.label:
+                    del ledger.holding[held]
                 if deleted or attempt:  # a retry finds it gone: the failed try deleted it
                     ledger.acked.add(message)
             return
