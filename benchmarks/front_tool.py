@@ -71,6 +71,15 @@ class FrontServer(OursServer):
         self.log_path = work_dir / "front.log"
         self.backend = backend
 
+    def leader_seen(self, members: list[Server]) -> str:
+        """The member the front's log last says its unary calls went to (front/leader.py)."""
+        said = "the backend's leader address="
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        moves = [line.split(said, 1)[1].split()[0] for line in lines if said in line]
+        if not moves:
+            return "the first endpoint (the front never moved them)"
+        return next((member_name(m) for m in members if m.endpoint == moves[-1]), moves[-1])
+
     def command(self) -> list[str]:
         return [
             sys.executable,
@@ -161,6 +170,8 @@ def run_path(
             if note := disturbed_note(other, res.wall_s):
                 res.notes.append(note)
         if leader_note:
+            if isinstance(middle, FrontServer):
+                leader_note += f"; the front's unary calls went to {middle.leader_seen(members)}"
             res.notes.append(leader_note)
         return res, etcd_cpu
     except Exception as e:
