@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Self
 
@@ -55,6 +56,21 @@ def wait_ready(
             except (grpc.FutureTimeoutError, grpc.RpcError) as e:
                 last = e
     raise TimeoutError(f"server at {endpoint} not ready after {timeout}s: {last}")
+
+
+def until_answered(call: Callable[[], object], bound: float, what: str) -> float:
+    """Make `call` until it is answered, while it fails as a call to a member
+    that went away does (UNAVAILABLE, DEADLINE_EXCEEDED) and for at most `bound`
+    seconds; any other failure fails at once. The seconds it took."""
+    start = time.monotonic()
+    while True:
+        try:
+            call()
+            return time.monotonic() - start
+        except grpc.RpcError as e:
+            assert e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            took = time.monotonic() - start
+            assert took < bound, f"{what}: still not answered after {took:.1f}s: {e}"
 
 
 def terminate(proc: subprocess.Popen[bytes]) -> None:
