@@ -15,6 +15,14 @@ Usage::
 
 Works from any working directory: the repository root is derived from the
 location of this script.
+
+The check compares the code, not the generator's release: generated modules
+carry the version of grpcio-tools and protoc that made them (``GRPC_GENERATED_VERSION``,
+``# Protobuf Python Version``, the numbers given to ``ValidateProtobufRuntimeVersion``),
+and a patch release of grpcio-tools in the package registry changes those stamps
+and nothing else. The stamps are the least grpcio and protobuf the committed code
+runs on; ``tests/unit/test_protos_fresh.py`` checks that pyproject.toml asks for
+at least those.
 """
 
 from __future__ import annotations
@@ -33,6 +41,15 @@ REPO_ROOT: Path = Path(__file__).resolve().parent.parent
 PROTO_PACKAGE: str = "etcdserverpb"
 GENERATED_SUFFIXES: tuple[str, ...] = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 LOCAL_IMPORT_RE = re.compile(rf"^from {PROTO_PACKAGE} import (\w+) as ", re.MULTILINE)
+VERSION_STAMPS: tuple[re.Pattern[bytes], ...] = (
+    re.compile(rb"^GRPC_GENERATED_VERSION = '([0-9.]+)'$", re.MULTILINE),
+    re.compile(rb"^# Protobuf Python Version: ([0-9.]+)$", re.MULTILINE),
+    re.compile(
+        rb"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,"
+        rb"\s*(\d+),\s*(\d+),\s*(\d+),"
+    ),
+)
+"""The generator's version, as each kind of generated module records it."""
 
 
 def proto_files() -> list[Path]:
@@ -106,6 +123,32 @@ def generated_files(root: Path) -> dict[str, bytes]:
     }
 
 
+def without_version_stamps(text: bytes) -> bytes:
+    """``text`` with the generator's version stamps blanked out."""
+
+    def blank(m: re.Match[bytes]) -> bytes:
+        out, at = [], m.start()
+        for group in range(1, len(m.groups()) + 1):
+            start, end = m.span(group)
+            out += [m.string[at:start], b"_"]
+            at = end
+        return b"".join([*out, m.string[at : m.end()]])
+
+    for pattern in VERSION_STAMPS:
+        text = pattern.sub(blank, text)
+    return text
+
+
+def version_stamps(text: bytes) -> list[tuple[int, ...]]:
+    """The versions stamped into one generated module, as tuples of ints."""
+    found = []
+    for pattern in VERSION_STAMPS:
+        for m in pattern.finditer(text):
+            parts = m.groups() if len(m.groups()) > 1 else m.group(1).split(b".")
+            found.append(tuple(int(part) for part in parts))
+    return found
+
+
 def check() -> int:
     """Generate into a temp dir and compare with the committed files."""
     with tempfile.TemporaryDirectory(prefix="gen_protos_") as tmp:
@@ -118,7 +161,7 @@ def check() -> int:
             stale.append(f"{name} (missing)")
         elif name not in fresh:
             stale.append(f"{name} (no longer generated)")
-        elif fresh[name] != committed[name]:
+        elif without_version_stamps(fresh[name]) != without_version_stamps(committed[name]):
             stale.append(f"{name} (differs)")
     if stale:
         print("Generated protobuf code is stale; run `python scripts/gen_protos.py`:")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -37,6 +40,37 @@ def test_generated_code_is_fresh() -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
+
+
+@pytest.mark.unit
+def test_pyproject_asks_for_the_grpcio_and_protobuf_the_generated_code_runs_on() -> None:
+    """The generated modules refuse to import on a grpcio or protobuf older than
+    the generator that made them; pyproject.toml's floors must be at least that."""
+    spec = importlib.util.spec_from_file_location(
+        "gen_protos", REPO_ROOT / "scripts" / "gen_protos.py"
+    )
+    assert spec is not None and spec.loader is not None
+    gen_protos = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen_protos)
+    needed: dict[str, tuple[int, ...]] = {"grpcio": (0,), "protobuf": (0,)}
+    for path in sorted((REPO_ROOT / "etcdserverpb").glob("*_pb2*.py")):
+        package = "grpcio" if path.name.endswith("_grpc.py") else "protobuf"
+        for stamp in gen_protos.version_stamps(path.read_bytes()):
+            needed[package] = max(needed[package], stamp)
+    assert needed["grpcio"] > (0,) and needed["protobuf"] > (0,), needed
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    floors = {
+        m.group(1): _version(m.group(2))
+        for dep in project["dependencies"]
+        if (m := re.fullmatch(r"(grpcio|protobuf)>=([0-9.]+)", dep))
+    }
+    assert set(floors) == set(needed), project["dependencies"]
+    for package, version in needed.items():
+        assert floors[package] >= version, f"{package}>= must be at least {version}"
 
 
 @pytest.mark.unit
