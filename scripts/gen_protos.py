@@ -46,10 +46,11 @@ VERSION_STAMPS: tuple[re.Pattern[bytes], ...] = (
     re.compile(rb"^# Protobuf Python Version: ([0-9.]+)$", re.MULTILINE),
     re.compile(
         rb"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,"
-        rb"\s*(\d+),\s*(\d+),\s*(\d+),"
+        rb"((?:\s*\d+,){3})"
     ),
 )
-"""The generator's version, as each kind of generated module records it."""
+"""The generator's version, as each kind of generated module records it: group 1
+is the version's text, its numbers in order."""
 
 
 def proto_files() -> list[Path]:
@@ -125,28 +126,18 @@ def generated_files(root: Path) -> dict[str, bytes]:
 
 def without_version_stamps(text: bytes) -> bytes:
     """``text`` with the generator's version stamps blanked out."""
-
-    def blank(m: re.Match[bytes]) -> bytes:
-        out, at = [], m.start()
-        for group in range(1, len(m.groups()) + 1):
-            start, end = m.span(group)
-            out += [m.string[at:start], b"_"]
-            at = end
-        return b"".join([*out, m.string[at : m.end()]])
-
     for pattern in VERSION_STAMPS:
-        text = pattern.sub(blank, text)
+        text = pattern.sub(lambda m: m.group(0).replace(m.group(1), b"_"), text)
     return text
 
 
 def version_stamps(text: bytes) -> list[tuple[int, ...]]:
     """The versions stamped into one generated module, as tuples of ints."""
-    found = []
-    for pattern in VERSION_STAMPS:
-        for m in pattern.finditer(text):
-            parts = m.groups() if len(m.groups()) > 1 else m.group(1).split(b".")
-            found.append(tuple(int(part) for part in parts))
-    return found
+    return [
+        tuple(int(n) for n in re.findall(rb"\d+", m.group(1)))
+        for pattern in VERSION_STAMPS
+        for m in pattern.finditer(text)
+    ]
 
 
 def check() -> int:

@@ -58,15 +58,15 @@ def wait_ready(
     raise TimeoutError(f"server at {endpoint} not ready after {timeout}s: {last}")
 
 
-def until_answered(call: Callable[[], object], bound: float, what: str) -> float:
+def until_answered(call: Callable[[], object], bound: float, what: str) -> None:
     """Make `call` until it is answered, while it fails as a call to a member
     that went away does (UNAVAILABLE, DEADLINE_EXCEEDED) and for at most `bound`
-    seconds; any other failure fails at once. The seconds it took."""
+    seconds; any other failure fails at once."""
     start = time.monotonic()
     while True:
         try:
             call()
-            return time.monotonic() - start
+            return
         except grpc.RpcError as e:
             assert e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
             took = time.monotonic() - start
