@@ -391,6 +391,11 @@ class Frames:
         try:
             return await asyncio.wait_for(self._ready.get(), timeout)
         except TimeoutError:
+            # A frame queued in the loop turn the timeout fired in stays queued
+            # when the wait is cancelled: it comes before the partial batch, so
+            # it is next, or that batch would be flushed ahead of it.
+            if not self._ready.empty():
+                return self._ready.get_nowait()
             return _TIMEOUT
 
     async def rest(self) -> AsyncIterator[cqs_pb2.ReEnqueueRequest]:
